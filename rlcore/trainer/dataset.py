@@ -1,0 +1,296 @@
+"""Prompt datasets and a resumable batch loader for RL drivers.
+
+RL post-training only needs prompts (plus whatever the reward function needs to score an answer):
+the responses come from the rollout. So a dataset item is a tokenized prompt, the string the
+policy saw, a ground truth for rule-based rewards and a few pass-through fields (`data_source`
+routes a sample to its reward function).
+
+Prompts are tokenized once, up front: that lets overlong prompts be filtered (and counted) before
+training starts instead of crashing a rollout hours in. Batches are LEFT-padded because generation
+appends tokens on the right; `position_ids` skip the padding so a left-padded row gets the same
+positions as the unpadded prompt.
+
+The loader's state is two integers (epoch, batches consumed in that epoch). Because each epoch's
+order is a pure function of (seed, epoch), a run restored from a checkpoint yields exactly the
+batches the interrupted run would have yielded next.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """Read a `.jsonl`/`.json` (one JSON object per line) or `.parquet` file.
+
+    Returns the rows and the file's column names (for error messages that show what exists).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    if path.suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not a JSON object per line ({e})") from e
+                if not isinstance(row, dict):
+                    raise ValueError(f"{path}:{line_no}: expected a JSON object, got "
+                                     f"{type(row).__name__}")
+                rows.append(row)
+        columns = sorted({k for row in rows for k in row})
+        return rows, columns
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        return table.to_pylist(), table.column_names
+    raise ValueError(f"unsupported dataset file type {path.suffix!r} for {path}; "
+                     f"use .jsonl, .json (JSON lines) or .parquet")
+
+
+class PromptDataset(torch.utils.data.Dataset):
+    """Tokenized prompts with their ground truths, read from one or more files.
+
+    The prompt column holds either a string or a chat list of {"role", "content"} messages.
+    `apply_chat_template=None` templates whenever the tokenizer has a chat template; a string
+    prompt is then sent as a single user message. Templated text is tokenized without extra
+    special tokens (the template writes them); plain text gets the tokenizer's usual ones.
+
+    `answer_key=None` is for prompt sets scored by a reward model (no ground truth);
+    `ground_truth` is then None. Every column in `extra_keys` must exist.
+    """
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: Any,
+        prompt_key: str = "prompt",
+        answer_key: str | None = "answer",
+        max_prompt_length: int = 512,
+        apply_chat_template: bool | None = None,
+        filter_overlong: bool = True,
+        extra_keys: Sequence[str] = ("data_source",),
+    ) -> None:
+        if max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if apply_chat_template and not has_template:
+            raise ValueError("apply_chat_template=True but the tokenizer has no chat_template")
+        self.use_chat_template = (has_template if apply_chat_template is None
+                                  else apply_chat_template)
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.extra_keys = tuple(extra_keys)
+
+        files = [files] if isinstance(files, (str, Path)) else list(files)
+        if not files:
+            raise ValueError("PromptDataset needs at least one file")
+        raw_prompts: list[str] = []
+        records: list[dict[str, Any]] = []
+        for path in files:
+            rows, columns = read_records(path)
+            wanted = [prompt_key, *([answer_key] if answer_key else []), *self.extra_keys]
+            for i, row in enumerate(rows):
+                missing = [k for k in wanted if k not in row]
+                if missing:
+                    raise ValueError(f"column {missing[0]!r} missing in {path} (row {i}); "
+                                     f"columns present: {columns}")
+                raw_prompts.append(self._render(row[prompt_key], path, i))
+                records.append({
+                    "ground_truth": row[answer_key] if answer_key else None,
+                    **{k: row[k] for k in self.extra_keys},
+                })
+
+        if not raw_prompts:
+            raise ValueError(f"no rows in {[str(f) for f in files]}")
+        encoded = tokenizer(raw_prompts, add_special_tokens=not self.use_chat_template)["input_ids"]
+        self.items: list[dict[str, Any]] = []
+        for i, (ids, text, rec) in enumerate(zip(encoded, raw_prompts, records)):
+            if len(ids) > max_prompt_length:
+                if not filter_overlong:
+                    raise ValueError(f"prompt {i} has {len(ids)} tokens > max_prompt_length="
+                                     f"{max_prompt_length} (set filter_overlong=True to drop it)")
+                continue
+            self.items.append({"input_ids": torch.tensor(ids, dtype=torch.long),
+                               "raw_prompt": text, **rec})
+        self.num_filtered = len(raw_prompts) - len(self.items)
+        if self.num_filtered:
+            logger.warning("PromptDataset: dropped %d of %d prompts longer than %d tokens",
+                           self.num_filtered, len(raw_prompts), max_prompt_length)
+        if not self.items:
+            raise ValueError(f"no prompts left: all {len(raw_prompts)} are longer than "
+                             f"max_prompt_length={max_prompt_length}")
+
+    def _render(self, prompt: Any, path: str | Path, row: int) -> str:
+        """The exact text the policy sees: the prompt after the chat template (if any)."""
+        if isinstance(prompt, str):
+            if not self.use_chat_template:
+                return prompt
+            prompt = [{"role": "user", "content": prompt}]
+        elif not isinstance(prompt, list) or not all(
+                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
+            raise ValueError(f"{path} row {row}: prompt must be a string or a list of "
+                             f"{{'role', 'content'}} messages, got {prompt!r}")
+        elif not self.use_chat_template:
+            raise ValueError(f"{path} row {row}: prompt is a chat list but the tokenizer has no "
+                             f"chat_template (or apply_chat_template=False)")
+        return self.tokenizer.apply_chat_template(prompt, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        return self.items[idx]
+
+
+def collate_prompts(
+    items: Sequence[dict[str, Any]], pad_token_id: int
+) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """Left-pad a list of dataset items into (tensors, non_tensors) for `DataProto.from_dict`.
+
+    tensors: input_ids, attention_mask, position_ids, all (B, max_len). non_tensors: every other
+    field as a numpy object array of length B.
+    """
+    if not items:
+        raise ValueError("collate_prompts got an empty list of items")
+    if pad_token_id is None:
+        raise ValueError("collate_prompts needs a pad_token_id (the tokenizer has none set)")
+    max_len = max(len(item["input_ids"]) for item in items)
+    input_ids = torch.full((len(items), max_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(items), max_len), dtype=torch.long)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        if n:
+            input_ids[row, max_len - n:] = item["input_ids"]
+            attention_mask[row, max_len - n:] = 1
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask,
+               "position_ids": position_ids}
+
+    non_tensors = {}
+    for key in items[0]:
+        if key == "input_ids":
+            continue
+        column = np.empty(len(items), dtype=object)
+        for row, item in enumerate(items):  # element-wise: a list value stays one object
+            column[row] = item[key]
+        non_tensors[key] = column
+    return tensors, non_tensors
+
+
+class ResumableBatchSampler:
+    """Index batches over `num_epochs` epochs (None: forever), resumable mid-epoch.
+
+    Epoch e's order is `default_rng((seed, e)).permutation(n)` (or 0..n-1 without shuffling), so
+    it depends on nothing but (seed, e). Iterating continues from the current state; the state
+    counts batches handed out, so a checkpoint taken after a batch resumes with the next one.
+    """
+
+    def __init__(self, num_items: int, batch_size: int, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = True, num_epochs: int | None = None) -> None:
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if drop_last and num_items < batch_size:
+            raise ValueError(f"{num_items} items cannot fill one batch of {batch_size} "
+                             f"with drop_last=True")
+        if num_items <= 0:
+            raise ValueError("cannot sample batches from an empty dataset")
+        if num_epochs is not None and num_epochs <= 0:
+            raise ValueError(f"num_epochs must be positive or None, got {num_epochs}")
+        self.num_items, self.batch_size = num_items, batch_size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.num_epochs = num_epochs
+        self.epoch, self.position = 0, 0
+
+    def batches_per_epoch(self) -> int:
+        if self.drop_last:
+            return self.num_items // self.batch_size
+        return math.ceil(self.num_items / self.batch_size)
+
+    def __len__(self) -> int:
+        """Batches per epoch (an infinite sampler has no total)."""
+        return self.batches_per_epoch()
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.num_items)
+        return np.random.default_rng((self.seed, epoch)).permutation(self.num_items)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        per_epoch = self.batches_per_epoch()
+        while self.num_epochs is None or self.epoch < self.num_epochs:
+            order = self.epoch_order(self.epoch)
+            while self.position < per_epoch:
+                start = self.position * self.batch_size
+                batch = order[start:start + self.batch_size].tolist()
+                self.position += 1
+                yield batch
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        # The identity fields let load_state_dict refuse a state from a different setup.
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_items": self.num_items, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        for key in ("seed", "num_items", "batch_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"sampler state has {key}={state[key]} but this sampler has "
+                                 f"{key}={getattr(self, key)}; resuming would change the order")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class PromptLoader:
+    """Batches of collated prompts: yields (tensors, non_tensors) as `collate_prompts` returns.
+
+    A thin pairing of a `PromptDataset` with a `ResumableBatchSampler`; prompts are already
+    tokenized, so no worker processes are needed. Checkpoint it with `state_dict()`.
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = True, num_epochs: int | None = None,
+                 pad_token_id: int | None = None) -> None:
+        self.dataset = dataset
+        self.pad_token_id = (pad_token_id if pad_token_id is not None
+                             else dataset.tokenizer.pad_token_id)
+        if self.pad_token_id is None:
+            raise ValueError("PromptLoader needs a pad_token_id: the tokenizer has none; pass "
+                             "pad_token_id=...")
+        self.sampler = ResumableBatchSampler(len(dataset), batch_size, shuffle=shuffle, seed=seed,
+                                             drop_last=drop_last, num_epochs=num_epochs)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    @property
+    def total_steps(self) -> int | None:
+        """Total batches over all epochs, or None for an endless loader."""
+        if self.sampler.num_epochs is None:
+            return None
+        return self.sampler.num_epochs * len(self.sampler)
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]]:
+        for indices in self.sampler:
+            yield collate_prompts([self.dataset[i] for i in indices], self.pad_token_id)
+
+    def state_dict(self) -> dict[str, int]:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.sampler.load_state_dict(state)
