@@ -1,0 +1,42 @@
+"""Generic single-controller machinery: workers, dispatch, worker groups. Knows nothing of RL.
+
+Ray is imported only when a Ray class is asked for, so the in-process group works where Ray is not
+installed (e.g. the GPU check machine).
+"""
+
+from rlcore.single_controller.decorator import CallContext, Dispatch, DispatchMode, Execute, mesh_dispatch, register
+from rlcore.single_controller.local import LocalWorkerGroup
+from rlcore.single_controller.worker import Worker
+from rlcore.single_controller.worker_group import (
+    ClassWithInitArgs,
+    ColocatedClasses,
+    GroupFuture,
+    RayClassWithInitArgs,
+    WorkerDiedError,
+    WorkerError,
+    WorkerGroup,
+    WorkerTimeoutError,
+    create_colocated_worker_cls,
+)
+
+_RAY_NAMES = {
+    "RayWorkerGroup": "rlcore.single_controller.ray_group",
+    "RayResourcePool": "rlcore.single_controller.resource_pool",
+    "ResourceError": "rlcore.single_controller.resource_pool",
+}
+
+
+def __getattr__(name: str):
+    if name in _RAY_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(_RAY_NAMES[name]), name)
+    raise AttributeError(f"module 'rlcore.single_controller' has no attribute {name!r}")
+
+
+__all__ = [
+    "CallContext", "ClassWithInitArgs", "ColocatedClasses", "Dispatch", "DispatchMode", "Execute", "GroupFuture",
+    "LocalWorkerGroup", "RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup", "ResourceError", "Worker",
+    "WorkerDiedError", "WorkerError", "WorkerGroup", "WorkerTimeoutError", "create_colocated_worker_cls",
+    "mesh_dispatch", "register",
+]

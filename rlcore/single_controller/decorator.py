@@ -1,0 +1,231 @@
+"""`@register`: how a worker method's arguments are split across ranks and its results gathered.
+
+A dispatch mode is a pair of plain functions:
+
+    dispatch_fn(ctx, args, kwargs) -> list of (args, kwargs), one entry per rank that runs
+    collect_fn(ctx, outputs)       -> the value the driver gets back
+
+``ctx`` (a ``CallContext``) carries the group's world size, the call options (``pad``) and a
+scratch dict the two functions share (e.g. how many padding rows to drop). The built-in modes
+below are such pairs; users register their own with ``register(dispatch_mode=DispatchMode(...))``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from rlcore.protocol import DataProto
+
+REGISTER_ATTR = "_rlcore_register"
+
+
+class Dispatch(enum.Enum):
+    ONE_TO_ALL = "one_to_all"  # same arguments to every rank; list of results
+    ALL_TO_ALL = "all_to_all"  # every argument is a list with one entry per rank; list of results
+    RANK_ZERO = "rank_zero"  # only rank 0 runs; its result
+    DP_COMPUTE = "dp_compute"  # like ALL_TO_ALL, for data-parallel shards the caller already split
+    DP_COMPUTE_PROTO = "dp_compute_proto"  # split DataProto args by rank; concat the DataProto results
+    DP_COMPUTE_PROTO_WITH_FUNC = "dp_compute_proto_with_func"  # first arg (a function) to all ranks, rest as above
+    DP_COMPUTE_METRIC = "dp_compute_metric"  # split DataProto args by rank; list of per-rank results (metrics)
+
+
+class Execute(enum.Enum):
+    ALL = "all"
+    RANK_ZERO = "rank_zero"
+
+
+@dataclass
+class CallContext:
+    """What a dispatch/collect pair knows about one call."""
+
+    world_size: int
+    group: Any
+    role: str = "default"
+    pad: bool = False  # pad a batch that does not divide the DP size (and drop the padding afterwards)
+    scratch: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    dispatch_fn: Callable[[CallContext, tuple, dict], list[tuple[tuple, dict]]]
+    collect_fn: Callable[[CallContext, list], Any]
+    name: str = "custom"
+
+
+# ------------------------------------------------------------------ built-in dispatch / collect
+def _one_to_all(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    args = tuple(_broadcastable(ctx, a) for a in args)
+    kwargs = {k: _broadcastable(ctx, v) for k, v in kwargs.items()}
+    return [(args, kwargs)] * ctx.world_size
+
+
+def _broadcastable(ctx: CallContext, value: Any) -> Any:
+    """A future of another group's RANK_ZERO result reaches every rank straight from Ray's object store."""
+    from rlcore.single_controller.worker_group import GroupFuture  # local import: no cycle at load
+
+    if not isinstance(value, GroupFuture):
+        return value
+    if value.single_result_ref is not None and ctx.group.passes_object_refs:
+        return value.single_result_ref
+    return value.get()
+
+
+def _per_rank_lists(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    def check(name, value):
+        if not isinstance(value, (list, tuple)) or len(value) != ctx.world_size:
+            got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
+            raise ValueError(f"argument {name} must be a list with one entry per rank ({ctx.world_size}), got {got}")
+        return value
+
+    args = [check(f"#{i}", a) for i, a in enumerate(args)]
+    kwargs = {k: check(repr(k), v) for k, v in kwargs.items()}
+    return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(ctx.world_size)]
+
+
+def _rank_zero(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    return [(args, kwargs)]
+
+
+def _collect_list(ctx: CallContext, outputs: list) -> list:
+    return list(outputs)
+
+
+def _collect_first(ctx: CallContext, outputs: list) -> Any:
+    return outputs[0]
+
+
+def split_for_ranks(ctx: CallContext, value: Any, world_size: int, what: str) -> list:
+    """Split one DataProto (or a future of one) into ``world_size`` parts, padding if allowed."""
+    from rlcore.single_controller.worker_group import GroupFuture  # local import: no cycle at load
+
+    if isinstance(value, GroupFuture):
+        return value.split_for(ctx, world_size, what)
+    if not isinstance(value, DataProto):
+        return [value] * world_size
+    if len(value) % world_size:
+        if not ctx.pad:
+            raise ValueError(
+                f"{what}: batch of {len(value)} rows does not divide across {world_size} ranks; "
+                f"use a batch size divisible by {world_size} or call with .options(pad=True)"
+            )
+        value, pad = value.pad_to_divisor(world_size)
+        ctx.scratch["chunk_rows"] = len(value) // world_size
+        previous = ctx.scratch.get("pad_size")
+        if previous not in (None, pad):
+            raise ValueError(f"{what}: DataProto arguments need different padding ({previous} vs {pad})")
+        ctx.scratch["pad_size"] = pad
+    return value.chunk(world_size)
+
+
+def _dp_proto(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    ws = ctx.world_size
+    split_args = [split_for_ranks(ctx, a, ws, f"argument #{i}") for i, a in enumerate(args)]
+    split_kwargs = {k: split_for_ranks(ctx, v, ws, f"argument {k!r}") for k, v in kwargs.items()}
+    return [(tuple(a[r] for a in split_args), {k: v[r] for k, v in split_kwargs.items()}) for r in range(ws)]
+
+
+def _dp_proto_with_func(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    if not args or not callable(args[0]):
+        raise TypeError("DP_COMPUTE_PROTO_WITH_FUNC expects a function as the first argument")
+    fn, rest = args[0], args[1:]
+    return [((fn, *a), kw) for a, kw in _dp_proto(ctx, rest, kwargs)]
+
+
+def collect_dp_proto(ctx: CallContext, outputs: list) -> Any:
+    """Concatenate per-rank DataProtos and drop the padding rows the dispatch added."""
+    if not all(isinstance(o, DataProto) for o in outputs):
+        kinds = sorted({type(o).__name__ for o in outputs})
+        raise TypeError(f"a DP_COMPUTE_PROTO method must return a DataProto on every rank, got {kinds}")
+    out = DataProto.concat(outputs)
+    pad = ctx.scratch.get("pad_size", 0)
+    if pad:
+        # A method may return k rows per input row (e.g. n samples per prompt, adjacent): the
+        # padding rows sit at the end of the batch, so their k outputs do too.
+        rows_per_input = max(1, len(outputs[-1]) // ctx.scratch["chunk_rows"])
+        out = out.unpad(pad * rows_per_input)
+    return out
+
+
+collect_dp_proto.concatenates_chunks = True  # results are rank-ordered chunks of one batch
+
+_BUILTIN: dict[Dispatch, DispatchMode] = {
+    Dispatch.ONE_TO_ALL: DispatchMode(_one_to_all, _collect_list, "one_to_all"),
+    Dispatch.ALL_TO_ALL: DispatchMode(_per_rank_lists, _collect_list, "all_to_all"),
+    Dispatch.RANK_ZERO: DispatchMode(_rank_zero, _collect_first, "rank_zero"),
+    Dispatch.DP_COMPUTE: DispatchMode(_per_rank_lists, _collect_list, "dp_compute"),
+    Dispatch.DP_COMPUTE_PROTO: DispatchMode(_dp_proto, collect_dp_proto, "dp_compute_proto"),
+    Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: DispatchMode(_dp_proto_with_func, collect_dp_proto, "dp_compute_proto_with_func"),
+    Dispatch.DP_COMPUTE_METRIC: DispatchMode(_dp_proto, _collect_list, "dp_compute_metric"),
+}
+
+
+def resolve_dispatch_mode(mode: Dispatch | DispatchMode | dict) -> DispatchMode:
+    if isinstance(mode, DispatchMode):
+        return mode
+    if isinstance(mode, Dispatch):
+        return _BUILTIN[mode]
+    if isinstance(mode, dict) and {"dispatch_fn", "collect_fn"} <= mode.keys():
+        return DispatchMode(mode["dispatch_fn"], mode["collect_fn"], mode.get("name", "custom"))
+    raise TypeError(f"dispatch_mode must be a Dispatch, a DispatchMode or a dict with dispatch_fn/collect_fn, got {mode!r}")
+
+
+# ------------------------------------------------------------------ mesh-aware DP dispatch
+def mesh_dispatch(mesh_name: str) -> DispatchMode:
+    """DP dispatch for workers whose ranks form (data-parallel x model-parallel) groups.
+
+    Each worker declares its place with ``self.register_mesh(mesh_name, dp_rank, dp_size, is_collect)``
+    (typically in ``init_model``). The batch is split into ``dp_size`` chunks; every rank receives the
+    chunk of its DP rank (so tensor-parallel peers see the same data), and the output is gathered
+    only from the ranks marked ``is_collect`` (one per DP group), in DP-rank order.
+    """
+
+    def dispatch(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+        info = ctx.group.mesh_info(mesh_name, ctx.role)
+        dp_size = info["dp_size"]
+        split_args = [split_for_ranks(ctx, a, dp_size, f"argument #{i}") for i, a in enumerate(args)]
+        split_kwargs = {k: split_for_ranks(ctx, v, dp_size, f"argument {k!r}") for k, v in kwargs.items()}
+        out = []
+        for dp_rank in info["dp_ranks"]:
+            out.append((tuple(a[dp_rank] for a in split_args), {k: v[dp_rank] for k, v in split_kwargs.items()}))
+        return out
+
+    def collect(ctx: CallContext, outputs: list) -> Any:
+        info = ctx.group.mesh_info(mesh_name, ctx.role)
+        picked = sorted(
+            (dp_rank, out) for dp_rank, keep, out in zip(info["dp_ranks"], info["is_collect"], outputs) if keep
+        )
+        return collect_dp_proto(ctx, [out for _, out in picked])
+
+    return DispatchMode(dispatch, collect, f"mesh:{mesh_name}")
+
+
+# ------------------------------------------------------------------ the decorator
+def register(
+    dispatch_mode: Dispatch | DispatchMode | dict = Dispatch.ALL_TO_ALL,
+    execute_mode: Execute = Execute.ALL,
+    blocking: bool = True,
+    pad: bool = False,
+) -> Callable:
+    """Mark a worker method as callable on the whole group.
+
+    dispatch_mode: how arguments are split and results gathered (see ``Dispatch``).
+    execute_mode: ``Execute.ALL`` runs every rank; ``Execute.RANK_ZERO`` only rank 0.
+    blocking: False makes the group call return a ``GroupFuture`` at once.
+    pad: default for DP modes when the batch does not divide the DP size (False: a clear error).
+    """
+    mode = resolve_dispatch_mode(dispatch_mode)
+    if not isinstance(execute_mode, Execute):
+        raise TypeError(f"execute_mode must be an Execute, got {execute_mode!r}")
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            return fn(*args, **kwargs)
+
+        setattr(inner, REGISTER_ATTR, {"mode": mode, "execute": execute_mode, "blocking": blocking, "pad": pad})
+        return inner
+
+    return decorate

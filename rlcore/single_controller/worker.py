@@ -1,0 +1,168 @@
+"""Worker: the base of every SPMD role; WorkerHost: the process-side shell that builds and calls workers.
+
+A worker is a plain class. Its rank, world size and rendezvous address come from the environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), which the worker group sets before the
+worker is constructed. The same class therefore runs in-process (world size 1) or as N Ray actors.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlcore.protocol import DataProto
+
+
+class Worker:
+    """Base class of SPMD workers. Subclasses need not call ``super().__init__()``."""
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        env = os.environ
+        self._rank = int(env.get("RANK", 0))
+        self._world_size = int(env.get("WORLD_SIZE", 1))
+        self._local_rank = int(env.get("LOCAL_RANK", 0))
+        self._master_addr = env.get("MASTER_ADDR", "127.0.0.1")
+        self._master_port = env.get("MASTER_PORT", "")
+        self._mesh: dict[str, dict] = {}
+        self.colocated_workers: dict[str, Any] = {}
+        return self
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    @property
+    def master_address(self) -> tuple[str, str]:
+        return self._master_addr, self._master_port
+
+    def init_distributed(self, backend: str | None = None, timeout_s: float = 600) -> None:
+        """Join the group's torch.distributed process group (gloo on CPU, nccl on GPU); idempotent."""
+        import datetime
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            return
+        if self.world_size > 1 and os.environ.get("RLCORE_IN_PROCESS") == "1":
+            raise RuntimeError(
+                "an in-process worker group with world_size > 1 cannot run torch.distributed collectives "
+                "(all ranks share one process); use world_size=1 or a RayWorkerGroup"
+            )
+        if not self._master_port:
+            raise RuntimeError("MASTER_PORT is not set: build this worker through a worker group")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(self.local_rank)
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{self._master_addr}:{self._master_port}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    def register_mesh(self, mesh_name: str, dp_rank: int, dp_size: int, is_collect: bool) -> None:
+        """Declare this rank's place in a (DP x model-parallel) mesh for ``mesh_dispatch(mesh_name)``."""
+        self._mesh[mesh_name] = {"dp_rank": dp_rank, "dp_size": dp_size, "is_collect": is_collect}
+
+    def _mesh_info(self, mesh_name: str) -> dict:
+        if mesh_name not in self._mesh:
+            raise RuntimeError(f"rank {self.rank} has not registered mesh {mesh_name!r} (call register_mesh first)")
+        return self._mesh[mesh_name]
+
+
+@dataclass
+class RemoteChunk:
+    """A reference to part ``index`` of ``parts`` of a batch that lives as rank outputs of another group.
+
+    The receiving worker fetches the producer's outputs straight from Ray's object store, so the
+    batch never passes through the driver.
+    """
+
+    refs: list
+    index: int
+    parts: int
+    pad_size: int = 0
+
+    def resolve(self) -> DataProto:
+        import ray
+
+        full = DataProto.concat(ray.get(self.refs)).unpad(self.pad_size)
+        padded, _ = full.pad_to_divisor(self.parts)
+        return padded.chunk(self.parts)[self.index]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray the loopback address is right
+        pass
+    return "127.0.0.1"
+
+
+class WorkerHost:
+    """Holds the worker(s) of one rank: one per role when roles are colocated in one process.
+
+    Two phases, so that a worker whose constructor joins a process group does not block the driver
+    from learning the rendezvous address: ``master_address()`` first, then ``build(env, classes)``.
+    """
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Any] = {}
+
+    def master_address(self) -> tuple[str, int]:
+        return node_ip(), free_port()
+
+    def build(self, env: dict[str, str], classes: dict[str, tuple[type, tuple, dict]]) -> dict:
+        os.environ.update(env)
+        for role, (cls, args, kwargs) in classes.items():
+            self.workers[role] = cls(*args, **kwargs)
+        for worker in self.workers.values():
+            if isinstance(worker, Worker):
+                worker.colocated_workers = self.workers
+        return {"rank": int(env["RANK"]), "pid": os.getpid(), "node_ip": node_ip(), "node_id": _node_id()}
+
+    def execute(self, role: str, method: str, /, *args, **kwargs) -> Any:
+        args = tuple(a.resolve() if isinstance(a, RemoteChunk) else a for a in args)
+        kwargs = {k: v.resolve() if isinstance(v, RemoteChunk) else v for k, v in kwargs.items()}
+        return getattr(self.workers[role], method)(*args, **kwargs)
+
+    def mesh_info(self, role: str, mesh_name: str) -> dict:
+        return self.workers[role]._mesh_info(mesh_name)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+__all__ = ["Worker", "WorkerHost", "RemoteChunk", "free_port", "node_ip"]

@@ -1,0 +1,225 @@
+"""WorkerGroup: binds every ``@register``-ed worker method as one group method, once, at construction.
+
+The base class knows nothing of Ray: it turns a call into per-rank calls (dispatch), hands them to
+``_submit`` and gathers the results (collect). ``RayWorkerGroup`` submits to Ray actors,
+``LocalWorkerGroup`` runs the same workers in the driver's process.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlcore.single_controller.decorator import REGISTER_ATTR, CallContext, Execute, split_for_ranks
+
+DEFAULT_ROLE = "default"
+
+
+class ClassWithInitArgs:
+    """A worker class and the arguments to build it with, on every rank."""
+
+    def __init__(self, cls: type, *args, **kwargs) -> None:
+        self.cls, self.args, self.kwargs = cls, args, kwargs
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.cls.__name__})"
+
+
+RayClassWithInitArgs = ClassWithInitArgs  # verl's name; the same object serves in-process groups
+
+
+@dataclass
+class ColocatedClasses:
+    """Several roles that share one process per rank (e.g. actor + rollout + ref: the hybrid engine)."""
+
+    roles: dict[str, ClassWithInitArgs] = field(default_factory=dict)
+
+
+def create_colocated_worker_cls(class_dict: dict[str, ClassWithInitArgs]) -> ColocatedClasses:
+    if not class_dict:
+        raise ValueError("create_colocated_worker_cls needs at least one role")
+    return ColocatedClasses(dict(class_dict))
+
+
+class WorkerError(RuntimeError):
+    """A worker method raised: names the rank and method and carries the remote traceback."""
+
+    def __init__(self, method: str, rank: int, detail: str) -> None:
+        self.method, self.rank, self.remote_traceback = method, rank, detail
+        super().__init__(f"{method} failed on rank {rank}:\n{detail}")
+
+
+class WorkerDiedError(WorkerError):
+    """The process of a rank died (crash, OOM kill, node loss) while a call was pending."""
+
+
+class WorkerTimeoutError(TimeoutError):
+    def __init__(self, method: str, pending_ranks: list[int], timeout: float) -> None:
+        self.method, self.pending_ranks = method, pending_ranks
+        super().__init__(
+            f"{method} did not finish within {timeout:g}s on rank(s) {pending_ranks}; the work may still be running "
+            f"there. Raise the limit with wg.{method}.options(timeout=...) if this is expected."
+        )
+
+
+@dataclass
+class MethodSpec:
+    role: str
+    name: str  # the worker's method name
+    public_name: str  # the group's attribute name (role-prefixed when roles are colocated)
+    mode: Any
+    execute: Execute
+    blocking: bool
+    pad: bool
+
+
+class GroupFuture:
+    """Result of a non-blocking group call. ``get()`` waits; passing it to another group's DP method
+    hands the per-rank results over without pulling them through the driver where Ray allows it."""
+
+    def __init__(self, group: "WorkerGroup", handles: list, ranks: list[int], ctx: CallContext, spec: MethodSpec, timeout):
+        self.group, self.handles, self.ranks, self.ctx, self.spec, self.timeout = group, handles, ranks, ctx, spec, timeout
+        self._done, self._value = False, None
+
+    def get(self, timeout: float | None | str = "default") -> Any:
+        if not self._done:
+            timeout = self.timeout if timeout == "default" else timeout
+            outputs = self.group._wait(self.handles, self.ranks, self.spec.public_name, timeout)
+            self._value, self._done = self.spec.mode.collect_fn(self.ctx, outputs), True
+        return self._value
+
+    @property
+    def single_result_ref(self):
+        """The object ref of a pending one-rank result (RANK_ZERO), or None."""
+        ray_result = self.group.passes_object_refs and not self._done and len(self.handles) == 1
+        return self.handles[0] if ray_result else None
+
+    def split_for(self, ctx: CallContext, world_size: int, what: str) -> list:
+        """Per-rank parts of this future's DataProto for a consumer call of ``world_size`` ranks."""
+        refs_shareable = (
+            not self._done
+            and getattr(self.spec.mode.collect_fn, "concatenates_chunks", False)
+            and self.group.passes_object_refs
+            and ctx.group.passes_object_refs
+        )
+        if refs_shareable and len(self.handles) == world_size:
+            # Rank i of the consumer reads rank i's output straight from the object store.
+            for key in ("pad_size", "chunk_rows"):
+                if key in self.ctx.scratch:
+                    ctx.scratch[key] = self.ctx.scratch[key]
+            return list(self.handles)
+        if refs_shareable and not ctx.pad and not self.ctx.scratch.get("pad_size"):
+            from rlcore.single_controller.worker import RemoteChunk
+
+            return [RemoteChunk(list(self.handles), i, world_size) for i in range(world_size)]
+        return split_for_ranks(ctx, self.get(), world_size, what)
+
+
+class GroupMethod:
+    """One registered method on the whole group: ``wg.method(data)``; ``wg.method.options(...)(data)``."""
+
+    def __init__(self, group: "WorkerGroup", spec: MethodSpec, timeout="default", pad=None, blocking=None):
+        self._group, self._spec = group, spec
+        self._timeout, self._pad, self._blocking = timeout, pad, blocking
+        self.__name__ = spec.public_name
+        self.__doc__ = f"Group call of {spec.role}.{spec.name} ({spec.mode.name})."
+
+    def options(self, *, timeout: float | None | str = "default", pad: bool | None = None, blocking: bool | None = None) -> "GroupMethod":
+        """A copy of this method with per-call settings: timeout (s, None = wait forever), pad, blocking."""
+        return GroupMethod(self._group, self._spec, timeout, pad, blocking)
+
+    def __call__(self, *args, **kwargs) -> Any:
+        group, spec = self._group, self._spec
+        pad = spec.pad if self._pad is None else self._pad
+        ctx = CallContext(world_size=group.world_size, group=group, role=spec.role, pad=pad)
+        calls = spec.mode.dispatch_fn(ctx, args, kwargs)
+        if spec.execute is Execute.RANK_ZERO:
+            calls = calls[:1]
+        handles = group._submit(spec.role, spec.name, calls)
+        timeout = group.default_timeout if self._timeout == "default" else self._timeout
+        future = GroupFuture(group, handles, list(range(len(calls))), ctx, spec, timeout)
+        blocking = spec.blocking if self._blocking is None else self._blocking
+        return future.get() if blocking else future
+
+    def __repr__(self) -> str:
+        return f"<group method {self._spec.public_name} ({self._spec.mode.name}, {self._group.world_size} ranks)>"
+
+
+class WorkerGroup:
+    """Shared machinery of Ray and in-process groups. Subclasses provide ``_submit`` and ``_wait``."""
+
+    passes_object_refs = False  # True where per-rank results live in a store other workers can read
+
+    def __init__(self, classes: ClassWithInitArgs | ColocatedClasses, world_size: int, default_timeout: float | None) -> None:
+        if isinstance(classes, ColocatedClasses):
+            self._roles = dict(classes.roles)
+            self._prefixed = True
+        elif isinstance(classes, ClassWithInitArgs):
+            self._roles = {DEFAULT_ROLE: classes}
+            self._prefixed = False
+        else:
+            raise TypeError(f"expected ClassWithInitArgs or ColocatedClasses, got {type(classes).__name__}")
+        self._world_size = world_size
+        self.default_timeout = default_timeout
+        self._mesh_cache: dict[tuple[str, str], dict] = {}
+        self.method_names: list[str] = []
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    def _bind_methods(self) -> None:
+        for role, cwa in self._roles.items():
+            for name, member in inspect.getmembers(cwa.cls, predicate=callable):
+                reg = getattr(member, REGISTER_ATTR, None)
+                if reg is None:
+                    continue
+                public = f"{role}_{name}" if self._prefixed else name
+                if hasattr(type(self), public):
+                    raise ValueError(f"worker method {cwa.cls.__name__}.{name} would shadow WorkerGroup.{public}; rename it")
+                spec = MethodSpec(role, name, public, reg["mode"], reg["execute"], reg["blocking"], reg["pad"])
+                setattr(self, public, GroupMethod(self, spec))
+                self.method_names.append(public)
+
+    def spawn(self, prefix_set: set[str] | list[str]) -> dict[str, "WorkerGroup"]:
+        """Per-role views of a colocated group: same processes, methods without the role prefix."""
+        views = {}
+        for role in prefix_set:
+            if role not in self._roles:
+                raise KeyError(f"no role {role!r} in this group; roles: {sorted(self._roles)}")
+            view = object.__new__(type(self))
+            view.__dict__.update({k: v for k, v in self.__dict__.items() if not isinstance(v, GroupMethod)})
+            view._roles, view._prefixed, view.method_names = {role: self._roles[role]}, False, []
+            view._mesh_cache = {}
+            view._bind_methods()
+            views[role] = view
+        return views
+
+    def mesh_info(self, mesh_name: str, role: str = DEFAULT_ROLE) -> dict:
+        """DP rank / collect flag of every rank for ``mesh_dispatch``, asked once and cached."""
+        key = (mesh_name, role)
+        if key not in self._mesh_cache:
+            infos = self._query_mesh(role, mesh_name)
+            sizes = {i["dp_size"] for i in infos}
+            if len(sizes) != 1:
+                raise ValueError(f"ranks disagree on the dp_size of mesh {mesh_name!r}: {sorted(sizes)}")
+            self._mesh_cache[key] = {
+                "dp_size": sizes.pop(),
+                "dp_ranks": [i["dp_rank"] for i in infos],
+                "is_collect": [i["is_collect"] for i in infos],
+            }
+        return self._mesh_cache[key]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(world_size={self.world_size}, roles={sorted(self._roles)}, methods={self.method_names})"
+
+    # subclass hooks
+    def _submit(self, role: str, method: str, calls: list[tuple[tuple, dict]]) -> list:
+        raise NotImplementedError
+
+    def _wait(self, handles: list, ranks: list[int], method: str, timeout: float | None) -> list:
+        raise NotImplementedError
+
+    def _query_mesh(self, role: str, mesh_name: str) -> list[dict]:
+        raise NotImplementedError
