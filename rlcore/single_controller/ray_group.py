@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import ray
@@ -20,6 +21,7 @@ from rlcore.single_controller.worker_group import (
 )
 
 _RemoteHost = ray.remote(WorkerHost)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its traceback headers
 
 
 class RayWorkerGroup(WorkerGroup):
@@ -86,7 +88,7 @@ class RayWorkerGroup(WorkerGroup):
                 except RayActorError as exc:
                     raise WorkerDiedError(method, rank, f"the worker process died: {exc}") from None
                 except RayTaskError as exc:
-                    raise WorkerError(method, rank, str(exc)) from None
+                    raise WorkerError(method, rank, _ANSI.sub("", str(exc))) from None
                 except GetTimeoutError:
                     raise WorkerTimeoutError(method, [rank], timeout) from None
         return [results[r] for r in ranks]
