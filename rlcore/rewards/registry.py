@@ -1,0 +1,130 @@
+"""Rule-based reward functions, looked up by name or by import path.
+
+A reward function scores one decoded response against its ground truth:
+
+    fn(response: str, ground_truth: str, **extra) -> float
+
+`extra` carries per-row fields (`prompt`, `data_source`, ...) and config options; a function
+ignores what it does not use. Built-in names equal the `data_source` of the datasets they score,
+so a batch that mixes sources can pick each row's function by its `data_source`.
+
+A config names a function either by a registered name ("gsm8k") or by a path:
+"package.module:function" or "/path/to/file.py:function", so a user's reward needs no change here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from pathlib import Path
+from typing import Callable, Protocol
+
+from rlcore.rewards.math_answers import (
+    answers_equal,
+    extract_answer_tag,
+    extract_boxed,
+    extract_gsm8k_answer,
+    extract_last_number,
+)
+
+
+class RewardFn(Protocol):
+    def __call__(self, response: str, ground_truth: str, **extra) -> float: ...
+
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register_reward_fn(name: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make `fn` available to `get_reward_fn(name)`. A name can be taken only once."""
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY:
+            raise ValueError(f"reward function {name!r} is already registered")
+        if not callable(fn):
+            raise TypeError(f"reward function {name!r} must be callable, got {type(fn).__name__}")
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorate
+
+
+def get_reward_fn(name_or_path: str) -> RewardFn:
+    """A registered reward function, or one imported from "module:function" / "file.py:function"."""
+    if name_or_path in _REGISTRY:
+        return _REGISTRY[name_or_path]
+    if ":" not in name_or_path:
+        raise ValueError(f"unknown reward function {name_or_path!r}; registered: "
+                         f"{sorted(_REGISTRY)}, or give 'package.module:function' or "
+                         f"'/path/file.py:function'")
+    where, attr = name_or_path.rsplit(":", 1)
+    module = _load_module(where)
+    if not hasattr(module, attr):
+        raise ValueError(f"{where!r} defines no {attr!r} (from reward function {name_or_path!r})")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise TypeError(f"{name_or_path!r} is a {type(fn).__name__}, "
+                        "not a callable reward function")
+    return fn
+
+
+def _load_module(where: str):
+    if not where.endswith(".py"):
+        return importlib.import_module(where)
+    path = Path(where)
+    if not path.is_file():
+        raise FileNotFoundError(f"reward function file {where!r} does not exist")
+    module_name = "rlcore_user_reward_" + re.sub(r"\W", "_", str(path.resolve()))
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@register_reward_fn("arithmetic")
+def arithmetic_reward(response: str, ground_truth: str, **extra) -> float:
+    """1.0 when the response's first line, before any "</s>", stripped, is the ground truth.
+
+    Exact string match on purpose: the arithmetic task (rlcore.data.arithmetic) teaches an exact
+    format, "15" then end of sequence; "15.0", "015" or "15 apples" earn nothing.
+    """
+    answer = response.split("</s>", 1)[0].split("\n", 1)[0].strip()
+    return float(answer == ground_truth.strip())
+
+
+@register_reward_fn("gsm8k")
+def gsm8k_reward(response: str, ground_truth: str, *, method: str = "strict",
+                 format_score: float = 0.0, **extra) -> float:
+    """1.0 for a correct final answer, `format_score` for a wrong one, 0.0 when none is found.
+
+    method="strict" reads only a "#### <number>" line, the format GSM8K's solutions use;
+    method="flexible" falls back to the last number in the response. The ground truth may be a
+    bare number or a whole GSM8K solution ending in "#### <number>".
+    """
+    if method not in ("strict", "flexible"):
+        raise ValueError(f"gsm8k method must be 'strict' or 'flexible', got {method!r}")
+    answer = extract_gsm8k_answer(response)
+    if answer is None and method == "flexible":
+        answer = extract_last_number(response)
+    if answer is None:
+        return 0.0
+    truth = extract_gsm8k_answer(ground_truth) or ground_truth
+    return 1.0 if answers_equal(answer, truth) else format_score
+
+
+@register_reward_fn("math")
+def math_reward(response: str, ground_truth: str, *, format_score: float = 0.0,
+                **extra) -> float:
+    """1.0 when the last \\boxed{} (else the last <answer> tag) equals the ground truth.
+
+    `format_score` rewards a wrong answer given in the right form; no answer scores 0.0. The
+    ground truth may itself contain a \\boxed{} (MATH solutions), which is then what counts.
+    """
+    answer = extract_boxed(response)
+    if answer is None:
+        answer = extract_answer_tag(response)
+    if answer is None:
+        return 0.0
+    truth = extract_boxed(ground_truth) or ground_truth
+    return 1.0 if answers_equal(answer, truth) else format_score
