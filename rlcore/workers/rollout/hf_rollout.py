@@ -1,0 +1,154 @@
+"""Rollout with Hugging Face ``generate``: the reference backend (slow, simple, exact).
+
+Log-probs: ``generate(output_scores=True)`` returns, per step, the scores after every logits
+processor, i.e. ``logits / temperature`` with top-k and then top-p filtered tokens at -inf. Their
+``log_softmax`` at the sampled token is the log-probability under the distribution the token was
+actually drawn from ("processed" log-probs, the same quantity vLLM reports with
+``logprobs_mode="processed_logprobs"``). Greedy decoding applies no warper, so its log-probs are
+those of the raw ``softmax(logits)``. HF keeps every step's (B, vocab) scores until ``generate``
+returns: fine for the small vocabularies this backend is meant for.
+
+Stopping: one stopping criterion handles eos / ``stop_token_ids`` / ``stop`` strings and records the
+step at which each row stopped, so the response lengths come from generation itself, not from
+guessing where padding starts (the model may legitimately sample the pad token).
+
+Randomness: sampling draws from a private RNG stream seeded with ``seed + rank``, so a colocated
+actor's RNG state is neither consumed nor reset by rollouts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+
+from rlcore.workers.rollout.base import Generation, ModelConfig, RolloutBackend, RolloutConfig, SamplingSettings, torch_dtype
+
+
+class _StopRecorder(StoppingCriteria):
+    """Marks rows done at a stop token or at the token completing a stop string; remembers when."""
+
+    def __init__(self, prompt_len: int, batch_size: int, stop_ids: list[int], stop_strings: tuple[str, ...],
+                 tokenizer, device: torch.device) -> None:
+        self.prompt_len = prompt_len
+        self.stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        self.stop_strings = stop_strings
+        self.tokenizer = tokenizer
+        self.lengths = torch.full((batch_size,), -1, dtype=torch.long)  # -1: still running
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        step = input_ids.shape[1] - self.prompt_len  # tokens generated so far
+        done = torch.isin(input_ids[:, -1], self.stop_ids).cpu()
+        running = self.lengths < 0
+        if self.stop_strings:
+            for row in torch.nonzero(running & ~done).flatten().tolist():
+                # Same text vLLM checks: the generated part only, special tokens skipped.
+                text = self.tokenizer.decode(input_ids[row, self.prompt_len:], skip_special_tokens=True)
+                done[row] = any(s in text for s in self.stop_strings)
+        self.lengths[running & done] = step
+        return (~(self.lengths < 0)).to(input_ids.device)
+
+
+class _RngStream:
+    """A torch RNG state of our own, swapped in around each ``generate`` call."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        with torch.random.fork_rng(devices=self._cuda_devices()):
+            torch.manual_seed(seed)
+            self.state = self._get()
+
+    def _cuda_devices(self) -> list:
+        return [self.device] if self.device.type == "cuda" else []
+
+    def _get(self):
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def run(self, fn, *args, **kwargs):
+        with torch.random.fork_rng(devices=self._cuda_devices()):
+            cpu, cuda = self.state
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, self.device)
+            out = fn(*args, **kwargs)
+            self.state = self._get()
+        return out
+
+
+class HFRollout(RolloutBackend):
+    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, rank: int = 0) -> None:
+        self.device = torch.device(model_cfg.device)
+        dtype = torch_dtype(rollout_cfg.dtype or model_cfg.dtype, "rollout.dtype")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype).to(self.device).eval()
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {model_cfg.path} has no eos_token_id; rollouts could never stop")
+        self.model_eos_ids = _as_list(self.model.generation_config.eos_token_id)
+        # A clean generation config: the checkpoint's own sampling defaults (temperature, top_k,
+        # repetition_penalty, ...) must not silently differ from what the vLLM backend applies.
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
+        )
+        self.rng = _RngStream(rollout_cfg.seed + rank, self.device)
+
+    def stop_token_ids(self, settings: SamplingSettings) -> list[int]:
+        return sorted({self.eos_token_id, *self.model_eos_ids, *settings.stop_token_ids})
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 settings: SamplingSettings) -> Generation:
+        bsz, prompt_len = input_ids.shape
+        stop_ids = self.stop_token_ids(settings)
+        recorder = _StopRecorder(prompt_len, bsz, stop_ids, settings.stop, self.tokenizer, self.device)
+        # top_k=0 disables the filter; left unset, HF would fill in its default of 50.
+        warpers = {} if settings.greedy else dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+        config = GenerationConfig(
+            do_sample=not settings.greedy,
+            **warpers,
+            max_new_tokens=settings.max_new_tokens,
+            eos_token_id=stop_ids,
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=True,
+            output_scores=True,
+        )
+        out = self.rng.run(
+            self.model.generate,
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            position_ids=position_ids.to(self.device),
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([recorder]),
+        )
+        tokens = out.sequences[:, prompt_len:]
+        steps = tokens.shape[1]
+        log_probs = torch.stack(
+            [torch.log_softmax(s.float(), dim=-1).gather(-1, tokens[:, t : t + 1]).squeeze(-1) for t, s in enumerate(out.scores)],
+            dim=1,
+        )
+        lengths = torch.where(recorder.lengths < 0, steps, recorder.lengths)
+        width = settings.max_new_tokens
+        return Generation(
+            responses=torch.nn.functional.pad(tokens.cpu(), (0, width - steps), value=self.pad_token_id),
+            lengths=lengths,
+            log_probs=torch.nn.functional.pad(log_probs.cpu(), (0, width - steps), value=0.0),
+        )
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        params = dict(self.model.state_dict())
+        missing = sorted(set(params) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(params))
+        if missing or unexpected:
+            raise KeyError(f"state dict does not match the rollout model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in state_dict.items():
+            params[name].copy_(tensor)
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

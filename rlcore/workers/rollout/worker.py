@@ -1,0 +1,118 @@
+"""RolloutWorker: the rollout role as an SPMD worker; the backend (HF or vLLM) is a config choice.
+
+Config (a dict or OmegaConf config with exactly these two sections; an unknown key is an error)::
+
+    model:
+      path: str                  required; Hugging Face checkpoint directory (weights + tokenizer)
+      dtype: "float32"           dtype of the HF backend's weights (float32 | bfloat16 | float16)
+      device: "cpu"              device of the HF backend ("cuda" on a GPU); vLLM picks its own platform
+    rollout:
+      backend: "hf"              "hf" (transformers generate) or "vllm" (a vLLM engine in this process)
+      temperature: 1.0           sampling temperature; 0 means greedy
+      top_p: 1.0                 nucleus filter, in (0, 1]; 1 disables it
+      top_k: 0                   keep the k most likely tokens; 0 (or -1) disables it
+      max_new_tokens: 64         response length T_r: responses are right-padded to exactly this
+      n: 1                       samples per prompt; the n rows of one prompt are adjacent
+      do_sample: true            false: greedy decoding
+      stop: []                   stop strings (checked on the generated text; their tokens are kept)
+      stop_token_ids: []         extra token ids that end a response (eos always does)
+      dtype: null                weights dtype of the rollout engine; null: model.dtype for hf,
+                                 "bfloat16" for vllm (on 2 CPU cores bf16 is ~2x faster than fp32)
+      gpu_memory_utilization: 0.1   vllm: fraction of device memory (on CPU: of RAM) for the KV cache
+      kv_cache_memory_bytes: null   vllm: KV cache size in bytes; overrides gpu_memory_utilization
+      max_model_len: null        vllm: longest prompt + response; null: the model's max positions
+      enforce_eager: true        vllm: no CUDA graphs / compilation (fast start; what works on CPU)
+      seed: 0                    sampling seed; rank r uses seed + r
+
+Per-call overrides through ``prompts.meta_info``: temperature, top_p, top_k, max_new_tokens, n,
+do_sample, stop, stop_token_ids; ``validate=True`` means greedy with n=1 unless do_sample / n are
+given too. See ``base.SamplingSettings.resolve``.
+
+Weights: ``sync_weights()`` (hybrid engine: an actor colocated in this process) pulls the actor's
+full state dict in memory; ``update_weights(state_dict)`` takes it from the driver, typically as the
+non-blocking future of the actor group's RANK_ZERO ``get_full_state_dict()``, which the single
+controller hands to every rollout rank as one Ray object ref (the dict never passes the driver).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from rlcore.protocol import DataProto
+from rlcore.single_controller import Dispatch, Worker, register
+from rlcore.workers.rollout.base import RolloutBackend, SamplingSettings, build_output, check_left_padded, parse_config
+
+PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+class RolloutWorker(Worker):
+    def __init__(self, config: Any) -> None:
+        self.model_config, self.config = parse_config(config)
+        self.backend: RolloutBackend | None = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        if self.config.backend == "hf":
+            from rlcore.workers.rollout.hf_rollout import HFRollout
+
+            self.backend = HFRollout(self.model_config, self.config, rank=self.rank)
+        else:
+            from rlcore.workers.rollout.vllm_rollout import VLLMRollout
+
+            self.backend = VLLMRollout(self.model_config, self.config, rank=self.rank)
+
+    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        """Left-padded prompts (input_ids, attention_mask, position_ids) -> prompts ++ responses.
+
+        Output keys: prompts, responses, response_mask, input_ids, attention_mask, position_ids,
+        rollout_log_probs, the input's non-tensor fields (repeated like the rows), and meta_info
+        with the input's entries plus "rollout/gen_time_s", "rollout/tokens_per_s",
+        "rollout/num_generated_tokens" (of this rank; the driver sees rank 0's).
+        """
+        backend = self._require_backend()
+        if prompts.batch is None or any(k not in prompts.batch.keys() for k in PROMPT_KEYS):
+            have = [] if prompts.batch is None else sorted(prompts.batch.keys())
+            raise KeyError(f"generate_sequences needs batch keys {list(PROMPT_KEYS)}, got {have}")
+        settings = SamplingSettings.resolve(self.config, prompts.meta_info)
+        check_left_padded(prompts.batch["attention_mask"])
+        rows = prompts.select(batch_keys=list(PROMPT_KEYS))
+        if settings.n > 1:
+            rows = rows.repeat(settings.n, interleave=True)
+        start = time.perf_counter()
+        gen = backend.generate(rows.batch["input_ids"], rows.batch["attention_mask"], rows.batch["position_ids"], settings)
+        return build_output(rows, gen, backend.pad_token_id, time.perf_counter() - start)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def sync_weights(self) -> dict[str, float]:
+        """Hybrid engine: load the colocated actor's current weights, in memory."""
+        actor = self.colocated_workers.get("actor")
+        if actor is None:
+            raise RuntimeError(
+                "sync_weights needs an actor colocated in this process (build the group from "
+                "create_colocated_worker_cls({'actor': ..., 'rollout': ...})); with separate pools, call "
+                "rollout.update_weights(actor.get_full_state_dict.options(blocking=False)())"
+            )
+        start = time.perf_counter()
+        state_dict = actor.get_full_state_dict()
+        return self._load(state_dict, start)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """Separate pools: load a full state dict (HF parameter names) sent by the driver."""
+        return self._load(state_dict, time.perf_counter())
+
+    def _load(self, state_dict: Mapping[str, torch.Tensor], start: float) -> dict[str, float]:
+        if not isinstance(state_dict, Mapping) or not state_dict:
+            raise TypeError(f"expected a non-empty state dict (name -> tensor), got {type(state_dict).__name__}")
+        self._require_backend().load_weights(state_dict)
+        return {"rollout/weight_sync_s": time.perf_counter() - start}
+
+    def _require_backend(self) -> RolloutBackend:
+        if self.backend is None:
+            raise RuntimeError("the rollout engine is not built yet: call init_model() first")
+        return self.backend
