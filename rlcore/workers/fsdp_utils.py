@@ -1,0 +1,405 @@
+"""FSDP2 building blocks shared by the actor, critic and reward-model workers.
+
+One code path for every scale: a model is built from a local HF directory on every rank, each
+decoder layer and then the root are wrapped with ``fully_shard`` over a 1-D mesh of all ranks
+(world size 1 included, so a single-process run exercises the same code), and the data-parallel
+gradient average comes from FSDP's reduce-scatter. CPU runs use gloo, GPU runs nccl.
+
+Configuration keys shared by the training workers (the actor and critic sections both hold them):
+
+    key                           default     meaning
+    optimizer                     "adamw"     "adamw" or "sgd" (plain SGD: handy for exact tests)
+    lr                            (per role)  peak learning rate
+    weight_decay                  0.01        decoupled (AdamW) or L2 (SGD) weight decay
+    warmup_steps                  0           optimizer steps of linear warm-up from lr/warmup_steps to lr
+    lr_scheduler                  "constant"  after warm-up: "constant", "cosine" or "linear" decay
+    total_steps                   None        optimizer steps the decay spans (needed by cosine/linear)
+    min_lr_ratio                  0.0         decay floor, as a fraction of lr
+    grad_clip                     1.0         max global grad norm; None or 0 disables clipping
+    ppo_mini_batch_size           None        global rows per optimizer step (None: the whole batch)
+    ppo_micro_batch_size_per_gpu  4           rows per forward/backward on one rank
+    use_dynamic_bsz               False       pack micro-batches by token count instead of rows
+    ppo_max_token_len_per_gpu     16384       token budget of one dynamic micro-batch
+    ppo_epochs                    1           passes over the batch per update call
+    shuffle                       True        reshuffle rows into mini-batches every epoch
+    seed                          1           torch seed at init, and the mini-batch shuffle seed
+
+The model section (``model.*``) holds ``path`` (required), ``dtype`` ("float32", "bfloat16",
+"float16") and ``gradient_checkpointing``. The device comes from ``trainer.device`` ("auto":
+CUDA when available, else CPU; or "cpu" / "cuda"); other keys of the recipe's ``trainer``
+section, and sections a worker does not own, are left to their owners.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlcore.protocol import DataProto
+from rlcore.single_controller import Dispatch, DispatchMode, Worker, register
+from rlcore.single_controller.decorator import resolve_dispatch_mode
+from rlcore.trainer.seqlen_balancing import rearrange_micro_batches
+
+MODEL_DEFAULTS: dict[str, Any] = {"path": None, "dtype": "float32", "gradient_checkpointing": False}
+
+TRAIN_DEFAULTS: dict[str, Any] = {
+    "optimizer": "adamw",
+    "lr": 1e-6,
+    "weight_decay": 0.01,
+    "warmup_steps": 0,
+    "lr_scheduler": "constant",
+    "total_steps": None,
+    "min_lr_ratio": 0.0,
+    "grad_clip": 1.0,
+    "ppo_mini_batch_size": None,
+    "ppo_micro_batch_size_per_gpu": 4,
+    "use_dynamic_bsz": False,
+    "ppo_max_token_len_per_gpu": 16384,
+    "ppo_epochs": 1,
+    "shuffle": True,
+    "seed": 1,
+}
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+# Every rank runs (full state dict extraction is a collective); the driver gets rank 0's result.
+ALL_RANKS_RANK_ZERO_RESULT = DispatchMode(
+    resolve_dispatch_mode(Dispatch.ONE_TO_ALL).dispatch_fn, lambda ctx, outputs: outputs[0], "all_ranks_rank_zero_result"
+)
+
+
+# ----------------------------------------------------------------------------- configuration
+def resolve_config(config: Mapping | DictConfig, defaults: dict[str, dict[str, Any]]) -> DictConfig:
+    """Fill each owned section from its defaults; a key a section does not know is an error.
+
+    Sections not in ``defaults`` are kept as given (a recipe may pass its whole config), so
+    ``trainer.device`` can be read from them.
+    """
+    cfg = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))
+    given_all = OmegaConf.to_container(cfg, resolve=True)
+    out = dict(given_all)
+    for section, section_defaults in defaults.items():
+        given = given_all.get(section) or {}
+        unknown = sorted(set(given) - set(section_defaults))
+        if unknown:
+            names = ", ".join(f"{section}.{k}" for k in unknown)
+            raise ValueError(f"unknown config key(s) {names}; known {section} keys: {sorted(section_defaults)}")
+        out[section] = {**section_defaults, **given}
+    if "model" in defaults and not out["model"]["path"]:
+        raise ValueError("model.path is required: a local HF model directory")
+    return OmegaConf.create(out)
+
+
+def resolve_device(cfg: DictConfig) -> torch.device:
+    name = str(OmegaConf.select(cfg, "trainer.device", default="auto"))
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda', got {name!r}")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("trainer.device='cuda' but CUDA is not available here; use 'cpu' or 'auto'")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"model.dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def setup_worker(worker: Worker, cfg: DictConfig, seed: int) -> torch.device:
+    """Pick the device, join the process group with the matching backend, seed torch."""
+    device = resolve_device(cfg)
+    worker.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
+    torch.manual_seed(seed)  # same on every rank: freshly initialised heads must agree before sharding
+    return device
+
+
+# ----------------------------------------------------------------------------- models
+class ScalarHeadModel(nn.Module):
+    """A transformer body plus a linear head giving one number per position, shape (B, T).
+
+    One root module (rather than body and head called separately) so that FSDP2 gathers the
+    head's and embeddings' parameters in the root's forward hook.
+    """
+
+    def __init__(self, backbone: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.backbone, self.head = backbone, head
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.head(hidden).squeeze(-1).clone()  # FSDP2 warns about view outputs
+
+
+def apply_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
+    """Shard every decoder layer (HF's ``_no_split_modules`` names their classes), then the root."""
+    model.to(device)
+    world_size = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (world_size,))
+    layer_classes = set()
+    for module in model.modules():
+        layer_classes |= set(getattr(module, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"found no decoder layers to shard in {type(model).__name__} (classes {sorted(layer_classes)})")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A snapshot of the unsharded parameters as CPU tensors on rank 0 ({} on other ranks). Collective."""
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_world_size() == 1 and next(model.parameters()).device.type == "cpu":
+        state = {k: v.clone() for k, v in state.items()}  # here the "offloaded" tensors are the parameters themselves
+    return state
+
+
+def export_hf(model: nn.Module, src_dir: str, out_dir: str) -> None:
+    """Write ``model`` as a HF directory that ``from_pretrained`` and vLLM load. Collective.
+
+    Rank 0 saves the full state dict through ``save_pretrained`` of a weightless (meta) copy of
+    the architecture, then copies the tokenizer and generation files of the source directory.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    state = full_state_dict(model)
+    if dist.get_rank() == 0:
+        config = AutoConfig.from_pretrained(src_dir)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton.save_pretrained(out_dir, state_dict=dict(state))  # save_pretrained edits the dict it gets
+        for name in os.listdir(src_dir):
+            weights = name.endswith((".safetensors", ".bin", ".pt", ".safetensors.index.json"))
+            if not weights and name != "config.json" and os.path.isfile(os.path.join(src_dir, name)):
+                shutil.copy2(os.path.join(src_dir, name), os.path.join(out_dir, name))
+    dist.barrier()
+
+
+# ----------------------------------------------------------------------------- optimisation
+def build_optimizer(params: Iterable[nn.Parameter], cfg: DictConfig) -> torch.optim.Optimizer:
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    raise ValueError(f"unknown optimizer {cfg.optimizer!r}; known: adamw, sgd")
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int | None, kind: str, min_lr_ratio: float = 0.0) -> float:
+    """Factor on the peak lr for optimizer step ``step`` (0-based): linear warm-up reaching 1 at
+    step ``warmup_steps - 1``, then constant, or cosine/linear decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if kind == "constant":
+        return 1.0
+    if kind not in ("cosine", "linear"):
+        raise ValueError(f"unknown lr_scheduler {kind!r}; known: constant, cosine, linear")
+    if not total_steps or total_steps <= warmup_steps:
+        raise ValueError(f"lr_scheduler {kind!r} needs total_steps > warmup_steps, got {total_steps}")
+    progress = min(1.0, (step - warmup_steps) / (total_steps - warmup_steps))
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if kind == "cosine" else 1.0 - progress
+    return min_lr_ratio + (1.0 - min_lr_ratio) * decay
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    lr_multiplier(cfg.warmup_steps, cfg.warmup_steps, cfg.total_steps, cfg.lr_scheduler)  # validate now, not mid-run
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.total_steps, cfg.lr_scheduler, cfg.min_lr_ratio)
+    )
+
+
+def clip_and_step(model: nn.Module, optimizer, lr_scheduler, grad_clip: float | None) -> tuple[float, float]:
+    """Clip to the global grad norm, step optimizer and schedule; returns (grad_norm, lr used).
+    A non-finite norm skips the optimizer step, so one bad batch cannot poison the weights."""
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip or float("inf"))
+    norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    lr = optimizer.param_groups[0]["lr"]
+    if math.isfinite(norm):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    lr_scheduler.step()
+    return norm, lr
+
+
+# ----------------------------------------------------------------------------- micro-batching
+def micro_batch_indices(data: DataProto, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int) -> list[np.ndarray]:
+    """Row indices of each micro-batch: fixed row counts, or packed to a token budget."""
+    if use_dynamic_bsz:
+        lengths = data.batch["attention_mask"].sum(-1).tolist()
+        return [np.asarray(ix) for ix in rearrange_micro_batches(lengths, max_token_len)]
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro-batch size must be positive, got {micro_batch_size}")
+    return [np.arange(s, min(s + micro_batch_size, len(data))) for s in range(0, len(data), micro_batch_size)]
+
+
+@torch.no_grad()
+def forward_micro_batches(data: DataProto, indices: list[np.ndarray], device: torch.device,
+                          fn: Callable[[DataProto], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Run ``fn`` on each micro-batch without grad; concatenate its outputs back in row order, on CPU."""
+    parts = [{k: v.cpu() for k, v in fn(data[ix].to(device)).items()} for ix in indices]
+    order = np.concatenate(indices)
+    inverse = torch.from_numpy(np.argsort(order))
+    return {k: torch.cat([p[k] for p in parts])[inverse] for k in parts[0]}
+
+
+def response_slice(per_position: torch.Tensor, response_len: int) -> torch.Tensor:
+    """Outputs at positions T_p-1 .. T-2: those that predict (or value the state before) each response token."""
+    return per_position[:, -response_len - 1 : -1]
+
+
+def global_counts(response_mask: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Valid tokens and non-empty sequences of a mini-batch, summed over all DP ranks."""
+    counts = torch.stack([response_mask.bool().sum(), response_mask.bool().any(-1).sum()]).to(device, torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    return counts[0], counts[1]
+
+
+def all_reduce_mean(value: torch.Tensor) -> float:
+    value = value.detach().to(torch.float64).clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return float(value)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def save_checkpoint(path: str, model: nn.Module, optimizer, extra: dict[str, Any]) -> None:
+    """Sharded model + optimizer through torch.distributed.checkpoint (reloadable on another world
+    size), plus this rank's ``extra`` (LR schedule, counters) and RNG states. Collective."""
+    os.makedirs(path, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
+    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
+    dcp.save(state, checkpoint_id=path)
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save({**extra, "rng": rng}, os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"))
+    dist.barrier()
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
+    """Restore what ``save_checkpoint`` wrote, in place; returns this rank's ``extra`` dict."""
+    extra_file = os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt")
+    if not os.path.exists(extra_file):
+        raise FileNotFoundError(f"{extra_file} is missing: not a checkpoint of this worker, or saved with fewer ranks")
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    else:
+        state = {"model": get_model_state_dict(model)}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state["model"])
+    extra = torch.load(extra_file, weights_only=False)
+    rng = extra.pop("rng")
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    return extra
+
+
+# ----------------------------------------------------------------------------- training workers
+class FSDPTrainWorker(Worker):
+    """What the actor and critic share: the PPO-style update loop and checkpoints.
+
+    A subclass sets ``self.module``, ``self.optimizer``, ``self.lr_scheduler``, ``self.device`` and
+    ``self.train_cfg`` (its section with the TRAIN_DEFAULTS keys) in ``init_model``.
+    """
+
+    module: nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+    device: torch.device
+    train_cfg: DictConfig
+    update_calls = 0  # seeds each call's shuffle, saved in checkpoints
+
+    def micro_batches(self, data: DataProto) -> list[np.ndarray]:
+        cfg = self.train_cfg
+        return micro_batch_indices(data, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+
+    def run_updates(self, data: DataProto, loss_fn: Callable[..., tuple[torch.Tensor, dict]], prefix: str) -> dict[str, float]:
+        """``ppo_epochs`` passes over this rank's rows in mini-batches, one optimizer step each.
+
+        ``loss_fn(micro, global_tokens=, global_seqs=, dp_size=)`` returns this micro-batch's
+        contribution to the global mini-batch loss (``agg_loss``'s contract): backward of the plain
+        sum over micro-batches, with FSDP averaging over ranks, gives the gradient of the global
+        mean whatever the split. The reported ``loss`` is that global value.
+        """
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__} was built without an optimizer (role {getattr(self, 'role', '?')!r})")
+        cfg, ws = self.train_cfg, self.world_size
+        global_rows = cfg.ppo_mini_batch_size or len(data) * ws
+        if global_rows % ws or len(data) % (global_rows // ws):
+            raise ValueError(f"ppo_mini_batch_size={global_rows} must split evenly over {ws} ranks and divide "
+                             f"each rank's {len(data)} rows")
+        self.module.train()
+        metrics: dict[str, list[float]] = defaultdict(list)
+        seed = cfg.seed + self.update_calls
+        for mini in data.make_iterator(global_rows // ws, cfg.ppo_epochs, seed=seed, shuffle=cfg.shuffle):
+            tokens, seqs = global_counts(mini.batch["response_mask"], self.device)
+            total = torch.zeros((), device=self.device)
+            for ix in self.micro_batches(mini):
+                loss, micro_metrics = loss_fn(mini[ix].to(self.device), global_tokens=tokens, global_seqs=seqs, dp_size=ws)
+                loss.backward()
+                total += loss.detach()
+                for k, v in micro_metrics.items():
+                    metrics[k].append(v)
+            grad_norm, lr = clip_and_step(self.module, self.optimizer, self.lr_scheduler, cfg.grad_clip)
+            metrics["loss"].append(all_reduce_mean(total))
+            metrics["grad_norm"].append(grad_norm)
+            metrics["lr"].append(lr)
+        self.update_calls += 1
+        return {f"{prefix}/{k}": float(np.mean(v)) for k, v in metrics.items()}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str) -> None:
+        """Sharded model, optimizer, LR schedule, RNG and update counter into directory ``path``."""
+        extra = {"update_calls": self.update_calls}
+        if self.lr_scheduler is not None:
+            extra["lr_scheduler"] = self.lr_scheduler.state_dict()
+        save_checkpoint(path, self.module, self.optimizer, extra)
+
+    @register(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> None:
+        extra = load_checkpoint(path, self.module, self.optimizer)
+        self.update_calls = extra["update_calls"]
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+
+    @register(ALL_RANKS_RANK_ZERO_RESULT)
+    def get_full_state_dict(self) -> dict[str, torch.Tensor]:
+        """{name: full CPU tensor} from rank 0 (every rank takes part in the gather)."""
+        return full_state_dict(self.module)

@@ -1,0 +1,290 @@
+"""ActorWorker against hand computations with the plain HF model, in-process and as 2 FSDP2 ranks."""
+
+import copy
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, RayResourcePool, RayWorkerGroup, WorkerError
+from rlcore.trainer.core_algos import get_policy_loss, register_policy_loss
+from rlcore.workers import actor as actor_module
+from rlcore.workers.actor import ActorWorker
+from rlcore.workers.fsdp_utils import build_lr_scheduler, lr_multiplier, resolve_config
+
+LR = 0.1
+
+
+def actor_config(path, **actor):
+    """Plain SGD, no clipping, one row per micro-batch: an update is exactly -lr * gradient."""
+    base = {"optimizer": "sgd", "lr": LR, "weight_decay": 0.0, "grad_clip": None,
+            "ppo_micro_batch_size_per_gpu": 1, "shuffle": False}
+    return {"model": {"path": path}, "actor": {**base, **actor}}
+
+
+@pytest.fixture(scope="module")
+def local_actor(tiny_model_dir):
+    wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir)), world_size=1)
+    wg.init_model()
+    return wg
+
+
+@pytest.fixture(scope="module")
+def ray_actor(ray_cluster, tiny_model_dir):
+    pool = RayResourcePool([2], num_cpus_per_process=0.5, name_prefix="actor_test")
+    wg = RayWorkerGroup(pool, ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir)), default_timeout=300)
+    wg.init_model()
+    yield wg
+    wg.shutdown()
+    pool.shutdown()
+
+
+@pytest.fixture(params=["local", "ray"])
+def actor_group(request):
+    return request.getfixturevalue(f"{request.param}_actor")
+
+
+def hf_model(path, state=None):
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if state is not None:
+        model.load_state_dict(state)
+    return model
+
+
+def hand_log_probs(model, data, temperature=1.0):
+    """log softmax at the position before each response token, gathered at that token; entropy there."""
+    b = data.batch
+    prompt_width, (n, response_width) = b["prompts"].shape[1], b["responses"].shape
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    log_probs, entropy = torch.zeros(n, response_width), torch.zeros(n, response_width)
+    for t in range(response_width):
+        step = torch.log_softmax(logits[:, prompt_width - 1 + t] / temperature, dim=-1)
+        log_probs[:, t] = step.gather(1, b["responses"][:, t : t + 1]).squeeze(1)
+        entropy[:, t] = -(step.exp() * step).sum(-1)
+    return log_probs, entropy
+
+
+def with_old_log_probs(wg, data):
+    return data.union(wg.compute_log_prob(data))
+
+
+# ------------------------------------------------------------------------------------ log-probs
+def test_compute_log_prob_matches_hand_computation(actor_group, tiny_model_dir, make_batch):
+    data = make_batch()
+    model = hf_model(tiny_model_dir, actor_group.get_full_state_dict())
+    expected_lp, expected_entropy = hand_log_probs(model, data)
+    out = actor_group.compute_log_prob(data)
+    assert out.batch["old_log_probs"].shape == (4, 6)
+    torch.testing.assert_close(out.batch["old_log_probs"], expected_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.batch["entropys"], expected_entropy, atol=1e-5, rtol=1e-5)
+
+
+def test_temperature_divides_logits(local_actor, tiny_model_dir, make_batch):
+    data = make_batch()
+    data.meta_info["temperature"] = 0.5
+    expected, _ = hand_log_probs(hf_model(tiny_model_dir, local_actor.get_full_state_dict()), data, temperature=0.5)
+    torch.testing.assert_close(local_actor.compute_log_prob(data).batch["old_log_probs"], expected, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ updates
+def test_update_is_dp_invariant_and_equals_global_token_mean_gradient(ray_actor, local_actor, tiny_model_dir, make_batch):
+    """2 ranks x 2 micro-batches and 1 rank x 4 micro-batches take the same SGD step, the one of the
+    global token-mean loss. Rank 0 holds the long responses (6+5 tokens), rank 1 the short (1+2), so
+    averaging per-rank means (the naive DP loss) would weigh the short ones' tokens ~4x more."""
+    before = ray_actor.get_full_state_dict()
+    assert all(torch.equal(before[k], v) for k, v in local_actor.get_full_state_dict().items()), "run this test first"
+    data = with_old_log_probs(local_actor, make_batch())
+
+    model = hf_model(tiny_model_dir, before)
+    params = [p for _, p in model.named_parameters()]
+    log_prob, _ = hand_log_probs(model, data)
+    b, ppo = data.batch, get_policy_loss("ppo")
+
+    def loss_on(rows):
+        return ppo(log_prob[rows], b["old_log_probs"][rows], b["advantages"][rows], b["response_mask"][rows],
+                   clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")[0]
+
+    global_loss = loss_on(slice(None))
+    expected_grads = torch.autograd.grad(global_loss, params, retain_graph=True)
+    naive_grads = torch.autograd.grad(0.5 * (loss_on(slice(0, 2)) + loss_on(slice(2, 4))), params)
+    expected_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in expected_grads])).item()
+    naive_gap = torch.linalg.vector_norm(torch.stack([(g - e).norm() for g, e in zip(naive_grads, expected_grads)]))
+    assert naive_gap > 0.1 * expected_norm  # the naive per-rank mean is measurably wrong here
+
+    ray_metrics, local_metrics = ray_actor.update_policy(data), local_actor.update_policy(data)
+    assert len(ray_metrics) == 2 and len(local_metrics) == 1
+    for m in ray_metrics + local_metrics:
+        assert m["actor/grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
+        assert m["actor/loss"] == pytest.approx(global_loss.item(), rel=1e-5, abs=1e-7)
+        assert m["actor/lr"] == LR
+    expected_after = {n: p.detach() - LR * g for (n, p), g in zip(model.named_parameters(), expected_grads)}
+    for wg in (ray_actor, local_actor):
+        after = wg.get_full_state_dict()
+        for name, value in expected_after.items():
+            torch.testing.assert_close(after[name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_update_raises_log_probs_of_positive_advantage_tokens(actor_group, make_batch):
+    data = make_batch(seed=1)
+    sign = torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]
+    data.batch["advantages"] = sign * data.batch["response_mask"]
+    mask = data.batch["response_mask"].bool()
+    positive, negative = mask & (sign > 0), mask & (sign < 0)
+    start = actor_group.compute_log_prob(data).batch["old_log_probs"]
+    for _ in range(2):
+        data_step = with_old_log_probs(actor_group, data.select(batch_keys=list(data.batch.keys())))
+        metrics = actor_group.update_policy(data_step)
+    end = actor_group.compute_log_prob(data).batch["old_log_probs"]
+    assert ((end - start)[positive] > 0.1).all()
+    assert ((end - start)[negative] < -0.1).all()
+    assert metrics[0]["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # one optimizer step per call: on-policy
+
+
+def test_dynamic_batch_size_gives_the_same_results(tiny_model_dir, make_batch):
+    groups = [LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir, **kw)), 1)
+              for kw in ({"ppo_micro_batch_size_per_gpu": 3}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 12})]
+    for wg in groups:
+        wg.init_model()
+    fixed, dynamic = (with_old_log_probs(wg, make_batch()) for wg in groups)
+    torch.testing.assert_close(dynamic.batch["old_log_probs"], fixed.batch["old_log_probs"], atol=1e-6, rtol=1e-6)
+    norms = [wg.update_policy(d)[0]["actor/grad_norm"] for wg, d in zip(groups, (fixed, dynamic))]
+    assert norms[1] == pytest.approx(norms[0], rel=1e-5)
+
+
+def test_kl_loss_and_rollout_importance_weights(tiny_model_dir, make_batch):
+    cfg = actor_config(tiny_model_dir, use_kl_loss=True, kl_loss_type="k2", use_rollout_is=True, rollout_is_cap=2.0)
+    wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, cfg), 1)
+    wg.init_model()
+    data = with_old_log_probs(wg, make_batch())
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"] - 0.2  # k2 = 0.5 * 0.2^2 at every token
+    data.batch["rollout_log_probs"] = data.batch["old_log_probs"] - 0.1  # IS weight exp(0.1) < cap
+    metrics = wg.update_policy(data)[0]
+    assert metrics["actor/kl_loss"] == pytest.approx(0.02, rel=1e-4)
+    assert metrics["actor/is/weight_mean"] == pytest.approx(math.exp(0.1), rel=1e-5)
+    with pytest.raises(WorkerError, match="ref_log_prob"):
+        wg.update_policy(data.select(batch_keys=[k for k in data.batch.keys() if k != "ref_log_prob"]))
+
+
+def test_registered_loss_may_read_the_micro_batch(tiny_model_dir, make_batch):
+    @register_policy_loss("test_weighted_ppo")
+    def weighted_ppo(log_prob, old_log_prob, advantages, response_mask, *, data, **kwargs):
+        loss, metrics = get_policy_loss("ppo")(log_prob, old_log_prob, advantages * data.batch["weight"][:, None],
+                                               response_mask, **kwargs)
+        return loss, {**metrics, "weight_seen": float(data.batch["weight"].sum())}
+
+    wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir, policy_loss="test_weighted_ppo")), 1)
+    wg.init_model()
+    data = with_old_log_probs(wg, make_batch())
+    data.batch["weight"] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    assert wg.update_policy(data)[0]["actor/weight_seen"] == pytest.approx(2.5)  # mean over 4 one-row micro-batches
+
+
+# ------------------------------------------------------------------------------------ roles and config
+def test_reference_role(tiny_model_dir, make_batch):
+    data = make_batch()
+    ref = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir), role="ref"), 1)
+    ref.init_model()
+    expected, _ = hand_log_probs(hf_model(tiny_model_dir), data)
+    torch.testing.assert_close(ref.compute_ref_log_prob(data).batch["ref_log_prob"], expected, atol=1e-5, rtol=1e-5)
+    with pytest.raises(WorkerError, match="without an optimizer"):
+        ref.update_policy(with_old_log_probs(ref, data))
+
+
+def test_actor_role_refuses_ref_log_prob(local_actor, make_batch):
+    with pytest.raises(WorkerError, match="needs role 'ref'"):
+        local_actor.compute_ref_log_prob(make_batch())
+
+
+def test_config_errors_name_the_key(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"actor\.clip_ratio\b"):
+        ActorWorker(actor_config(tiny_model_dir, clip_ratio=0.3))
+    with pytest.raises(ValueError, match="model.path is required"):
+        ActorWorker({"actor": {}})
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'"):
+        ActorWorker(actor_config(tiny_model_dir, policy_loss="ppo2"))
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        ActorWorker(actor_config(tiny_model_dir, loss_agg_mode="sum"))
+    with pytest.raises(ValueError, match="role"):
+        ActorWorker(actor_config(tiny_model_dir), role="critic")
+    cfg = resolve_config({"model": {"path": "x"}, "rollout": {"n": 4}}, {"model": {"path": None, "dtype": "float32"}})
+    assert cfg.model.dtype == "float32" and cfg.rollout.n == 4  # sections a worker does not own pass through
+
+
+def test_every_default_is_documented():
+    for key in actor_module.ACTOR_DEFAULTS:
+        assert f"actor.{key} " in actor_module.__doc__, key
+
+
+def test_lr_schedule_warmup_then_cosine():
+    expected = [1 / 2, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0, 0.0]
+    assert [lr_multiplier(s, 2, 6, "cosine") for s in range(8)] == pytest.approx(expected)
+    assert [lr_multiplier(s, 0, 4, "linear", min_lr_ratio=0.2) for s in range(5)] == pytest.approx([1, 0.8, 0.6, 0.4, 0.2])
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    cfg = resolve_config({"a": {"warmup_steps": 2, "total_steps": 6, "lr_scheduler": "cosine"}},
+                         {"a": {"warmup_steps": 0, "total_steps": None, "lr_scheduler": "constant", "min_lr_ratio": 0.0}}).a
+    scheduler, seen = build_lr_scheduler(optimizer, cfg), []
+    for _ in range(4):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.1 * m for m in expected[:4]])
+    with pytest.raises(ValueError, match="total_steps"):
+        lr_multiplier(0, 0, None, "cosine")
+
+
+# ------------------------------------------------------------------------------------ checkpoints and export
+def test_checkpoint_round_trip_restores_parameters(actor_group, make_batch, tmp_path):
+    data = with_old_log_probs(actor_group, make_batch())
+    actor_group.save_checkpoint(str(tmp_path / "ckpt"))
+    saved = actor_group.get_full_state_dict()
+    actor_group.update_policy(data)
+    assert not torch.equal(actor_group.get_full_state_dict()["lm_head.weight"], saved["lm_head.weight"])
+    actor_group.load_checkpoint(str(tmp_path / "ckpt"))
+    restored = actor_group.get_full_state_dict()
+    assert saved.keys() == restored.keys()
+    assert all(torch.equal(restored[k], v) for k, v in saved.items())
+
+
+def _optimizer_state(worker):
+    """Optimizer state with every tensor as a plain local copy (FSDP2 keeps DTensors)."""
+    state = copy.deepcopy(worker.optimizer.state_dict()["state"])
+    return {i: {k: v.to_local().clone() if hasattr(v, "to_local") else v for k, v in s.items()} for i, s in state.items()}
+
+
+def test_checkpoint_restores_adamw_state_schedule_and_rng(tiny_model_dir, make_batch, tmp_path):
+    cfg = actor_config(tiny_model_dir, optimizer="adamw", lr=1e-2, warmup_steps=1, total_steps=5, lr_scheduler="linear")
+    wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, cfg), 1)
+    wg.init_model()
+    worker = wg.worker(0)
+    data = with_old_log_probs(wg, make_batch())
+    wg.update_policy(data)
+    wg.save_checkpoint(str(tmp_path / "ckpt"))
+    saved_params, saved_optim = wg.get_full_state_dict(), _optimizer_state(worker)
+    saved_lr, saved_draw = worker.optimizer.param_groups[0]["lr"], torch.rand(3)
+    assert saved_optim and all(s["exp_avg"].abs().sum() > 0 for s in saved_optim.values())
+    wg.update_policy(data)
+    assert worker.optimizer.param_groups[0]["lr"] != saved_lr
+    wg.load_checkpoint(str(tmp_path / "ckpt"))
+    assert all(torch.equal(wg.get_full_state_dict()[k], v) for k, v in saved_params.items())
+    restored = _optimizer_state(worker)
+    assert restored.keys() == saved_optim.keys()
+    for i, s in saved_optim.items():
+        assert all(torch.equal(torch.as_tensor(restored[i][k]), torch.as_tensor(v)) for k, v in s.items())
+    assert worker.optimizer.param_groups[0]["lr"] == saved_lr
+    assert torch.equal(torch.rand(3), saved_draw)  # the RNG resumes where the checkpoint left it
+    assert worker.update_calls == 1
+
+
+def test_export_hf_loads_with_from_pretrained(ray_actor, make_batch, tmp_path):
+    out = str(tmp_path / "hf")
+    ray_actor.export_hf(out)
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.decode(tokenizer("12 + 3 =")["input_ids"]) == "12 + 3 ="
+    reference = hf_model(out, ray_actor.get_full_state_dict())
+    data = make_batch()
+    ids = data.batch["input_ids"]
+    assert torch.equal(exported(ids).logits, reference(ids).logits)
+    expected, _ = hand_log_probs(exported, data)
+    torch.testing.assert_close(ray_actor.compute_log_prob(data).batch["old_log_probs"], expected, atol=1e-5, rtol=1e-5)
