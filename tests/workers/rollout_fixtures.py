@@ -56,13 +56,22 @@ def hand_greedy(model, prompt_ids: list[int], max_new_tokens: int, stop_ids: set
 
 @torch.no_grad()
 def hand_log_probs(model, prompt_ids: list[int], response: list[int], temperature: float = 1.0,
-                   top_k: int = 0) -> torch.Tensor:
-    """log-softmax of (logits / temperature, top-k filtered) at each response token, teacher-forced."""
+                   top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """log-softmax of (logits / temperature, top-k then top-p filtered) at each response token, teacher-forced.
+
+    Top-p keeps the most likely tokens whose probabilities sum to at least top_p: sorted ascending,
+    a token goes when the mass up to and including it is at most 1 - top_p.
+    """
     seq = torch.tensor([list(prompt_ids) + list(response)])
     logits = model(seq).logits[0, len(prompt_ids) - 1 : -1].float() / temperature
     if top_k:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1)
+        drop = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(response).unsqueeze(1)).squeeze(1)
 
 

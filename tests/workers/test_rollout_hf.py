@@ -106,16 +106,17 @@ def test_sampled_log_probs_equal_model_log_softmax(rollout, tok, ref_model):
                                    hand_log_probs(ref_model, prompt, response), atol=1e-5, rtol=0)
 
 
-def test_log_probs_are_those_of_the_processed_distribution(rollout, tok, ref_model):
-    """temperature 0.7 and top-k 5: log-probs of softmax(top5(logits / 0.7)), not of the raw logits."""
+@pytest.mark.parametrize("params", [{"temperature": 0.7, "top_k": 5}, {"temperature": 1.3, "top_p": 0.3}])
+def test_log_probs_are_those_of_the_processed_distribution(rollout, tok, ref_model, params):
+    """Log-probs of softmax(filter(logits / T)), the distribution sampled from, not of the raw logits."""
     prompts = make_prompts(tok)
-    out = rollout.generate_sequences(make_prompts(tok, meta_info={"temperature": 0.7, "top_k": 5}))
+    out = rollout.generate_sequences(make_prompts(tok, meta_info=params))
     for row in range(len(PROMPTS)):
         prompt = unpadded(prompts.batch["input_ids"][row], prompts.batch["attention_mask"][row])
         length = int(out.batch["response_mask"][row].sum())
         response = out.batch["responses"][row, :length].tolist()
-        expected = hand_log_probs(ref_model, prompt, response, temperature=0.7, top_k=5)
-        assert torch.isfinite(expected).all()  # every sampled token is inside the top 5
+        expected = hand_log_probs(ref_model, prompt, response, **params)
+        assert torch.isfinite(expected).all()  # every sampled token survived the filter
         torch.testing.assert_close(out.batch["rollout_log_probs"][row, :length], expected, atol=1e-5, rtol=0)
         raw = hand_log_probs(ref_model, prompt, response)
         assert not torch.allclose(raw, expected, atol=1e-3)

@@ -216,6 +216,14 @@ def torch_dtype(name: str, what: str) -> torch.dtype:
     return dtypes[name]
 
 
+def check_weight_names(expected: set[str], given: Mapping[str, torch.Tensor]) -> None:
+    """A partial update would leave the rollout sampling from a mix of old and new weights: refuse it."""
+    missing, unexpected = sorted(expected - set(given)), sorted(set(given) - expected)
+    if missing or unexpected:
+        raise KeyError(f"state dict does not match the rollout model: {len(missing)} missing {missing[:5]}, "
+                       f"{len(unexpected)} unexpected {unexpected[:5]}")
+
+
 # ------------------------------------------------------------------ prompts and output assembly
 def check_left_padded(attention_mask: torch.Tensor) -> None:
     """Both backends read a prompt as the tokens under its mask, ending at the last column."""

