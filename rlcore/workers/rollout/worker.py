@@ -98,7 +98,9 @@ class RolloutWorker(Worker):
                 "rollout.update_weights(actor.get_full_state_dict.options(blocking=False)())"
             )
         start = time.perf_counter()
-        state_dict = actor.get_full_state_dict()
+        state_dict = actor.get_full_state_dict()  # collective over the actor's ranks; full on rank 0 only
+        if self.world_size > 1:
+            state_dict = broadcast_state_dict(state_dict, src=0)
         return self._load(state_dict, start)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -116,3 +118,24 @@ class RolloutWorker(Worker):
         if self.backend is None:
             raise RuntimeError("the rollout engine is not built yet: call init_model() first")
         return self.backend
+
+
+def broadcast_state_dict(state_dict: Mapping[str, torch.Tensor], src: int = 0) -> dict[str, torch.Tensor]:
+    """Every rank of the default process group gets rank ``src``'s state dict (others pass anything).
+
+    The hybrid engine needs the full weights on every rank, while an FSDP full state dict with CPU
+    offload lands on rank 0 only. Names, shapes and dtypes go first as one object, then each tensor
+    with a plain broadcast (on the GPU under NCCL).
+    """
+    import torch.distributed as dist
+
+    is_src = dist.get_rank() == src
+    meta = [[(k, tuple(v.shape), v.dtype) for k, v in state_dict.items()] if is_src else None]
+    dist.broadcast_object_list(meta, src=src)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    out = {}
+    for name, shape, dtype in meta[0]:
+        tensor = state_dict[name].to(device) if is_src else torch.empty(shape, dtype=dtype, device=device)
+        dist.broadcast(tensor, src=src)
+        out[name] = tensor
+    return out
