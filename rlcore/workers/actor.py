@@ -142,7 +142,8 @@ class ActorWorker(FSDPTrainWorker):
         logits = self.module(
             input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"], use_cache=False
         ).logits
-        logits = response_slice(logits, b["responses"].shape[1]) / micro.meta_info.get("temperature", 1.0)
+        # fp32 for the log-softmax: PPO ratios of bf16 log-probs would be noise
+        logits = response_slice(logits, b["responses"].shape[1]).float() / micro.meta_info.get("temperature", 1.0)
         return logprobs_from_logits(logits, b["responses"]), logits
 
     def _infer(self, data: DataProto) -> dict[str, torch.Tensor]:

@@ -80,7 +80,7 @@ class CriticWorker(FSDPTrainWorker):
     def _values(self, micro: DataProto) -> torch.Tensor:
         b = micro.batch
         per_position = self.module(b["input_ids"], b["attention_mask"], b["position_ids"])
-        return response_slice(per_position, b["responses"].shape[1])
+        return response_slice(per_position, b["responses"].shape[1]).float()
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_values(self, data: DataProto) -> DataProto:

@@ -119,11 +119,9 @@ def resolve_device(cfg: DictConfig) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name not in ("cpu", "cuda"):
         raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda', got {name!r}")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("trainer.device='cuda' but CUDA is not available here; use 'cpu' or 'auto'")
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("trainer.device='cuda' but CUDA is not available here; use 'cpu' or 'auto'")
+    return torch.device(name)
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -136,6 +134,8 @@ def setup_worker(worker: Worker, cfg: DictConfig, seed: int) -> torch.device:
     """Pick the device, join the process group with the matching backend, seed torch."""
     device = resolve_device(cfg)
     worker.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU, set by init_distributed
     torch.manual_seed(seed)  # same on every rank: freshly initialised heads must agree before sharding
     return device
 
@@ -339,7 +339,7 @@ class FSDPTrainWorker(Worker):
     ``self.train_cfg`` (its section with the TRAIN_DEFAULTS keys) in ``init_model``.
     """
 
-    module: nn.Module
+    module: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
     device: torch.device
@@ -347,6 +347,8 @@ class FSDPTrainWorker(Worker):
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
 
     def micro_batches(self, data: DataProto) -> list[np.ndarray]:
+        if self.module is None:
+            raise RuntimeError(f"{type(self).__name__}: call init_model() first")
         cfg = self.train_cfg
         return micro_batch_indices(data, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
 
@@ -359,7 +361,8 @@ class FSDPTrainWorker(Worker):
         mean whatever the split. The reported ``loss`` is that global value.
         """
         if self.optimizer is None:
-            raise RuntimeError(f"{type(self).__name__} was built without an optimizer (role {getattr(self, 'role', '?')!r})")
+            raise RuntimeError(f"{type(self).__name__} has no optimizer (role {getattr(self, 'role', '?')!r}, "
+                               f"or init_model() was not called)")
         cfg, ws = self.train_cfg, self.world_size
         global_rows = cfg.ppo_mini_batch_size or len(data) * ws
         if global_rows % ws or len(data) % (global_rows // ws):

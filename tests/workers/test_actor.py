@@ -5,13 +5,14 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, RayResourcePool, RayWorkerGroup, WorkerError
 from rlcore.trainer.core_algos import get_policy_loss, register_policy_loss
 from rlcore.workers import actor as actor_module
 from rlcore.workers.actor import ActorWorker
-from rlcore.workers.fsdp_utils import build_lr_scheduler, lr_multiplier, resolve_config
+from rlcore.workers.fsdp_utils import build_lr_scheduler, lr_multiplier, resolve_config, resolve_device
 
 LR = 0.1
 
@@ -88,12 +89,15 @@ def test_temperature_divides_logits(local_actor, tiny_model_dir, make_batch):
 
 
 # ------------------------------------------------------------------------------------ updates
-def test_update_is_dp_invariant_and_equals_global_token_mean_gradient(ray_actor, local_actor, tiny_model_dir, make_batch):
+def test_update_is_dp_invariant_and_equals_global_token_mean_gradient(ray_actor, local_actor, tiny_model_dir,
+                                                                     make_batch, tmp_path):
     """2 ranks x 2 micro-batches and 1 rank x 4 micro-batches take the same SGD step, the one of the
     global token-mean loss. Rank 0 holds the long responses (6+5 tokens), rank 1 the short (1+2), so
     averaging per-rank means (the naive DP loss) would weigh the short ones' tokens ~4x more."""
+    ray_actor.save_checkpoint(str(tmp_path / "start"))  # one starting point, whatever ran before;
+    local_actor.load_checkpoint(str(tmp_path / "start"))  # a 2-rank checkpoint resharded onto 1 rank
     before = ray_actor.get_full_state_dict()
-    assert all(torch.equal(before[k], v) for k, v in local_actor.get_full_state_dict().items()), "run this test first"
+    assert all(torch.equal(before[k], v) for k, v in local_actor.get_full_state_dict().items())
     data = with_old_log_probs(local_actor, make_batch())
 
     model = hf_model(tiny_model_dir, before)
@@ -187,7 +191,7 @@ def test_reference_role(tiny_model_dir, make_batch):
     ref.init_model()
     expected, _ = hand_log_probs(hf_model(tiny_model_dir), data)
     torch.testing.assert_close(ref.compute_ref_log_prob(data).batch["ref_log_prob"], expected, atol=1e-5, rtol=1e-5)
-    with pytest.raises(WorkerError, match="without an optimizer"):
+    with pytest.raises(WorkerError, match="has no optimizer"):
         ref.update_policy(with_old_log_probs(ref, data))
 
 
@@ -209,11 +213,16 @@ def test_config_errors_name_the_key(tiny_model_dir):
         ActorWorker(actor_config(tiny_model_dir), role="critic")
     cfg = resolve_config({"model": {"path": "x"}, "rollout": {"n": 4}}, {"model": {"path": None, "dtype": "float32"}})
     assert cfg.model.dtype == "float32" and cfg.rollout.n == 4  # sections a worker does not own pass through
+    assert resolve_device(cfg) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="trainer.device must be"):
+        resolve_device(OmegaConf.create({"trainer": {"device": "tpu"}}))
 
 
 def test_every_default_is_documented():
     for key in actor_module.ACTOR_DEFAULTS:
         assert f"actor.{key} " in actor_module.__doc__, key
+    for key in actor_module.MODEL_DEFAULTS:
+        assert f"model.{key} " in actor_module.__doc__, key
 
 
 def test_lr_schedule_warmup_then_cosine():
