@@ -216,3 +216,15 @@ def test_update_weights_changes_generation(model_dir, tok, ref_model):
         assert after.batch["responses"][row, : len(expected)].tolist() == expected
     with pytest.raises(Exception, match="missing"):
         wg.update_weights({k: v for k, v in state.items() if "lm_head" not in k})
+
+
+def test_ignore_eos_gives_full_length_responses(rollout, tok):
+    """32 samples x 10 tokens from a near-uniform 66-token model: eos gets sampled, and only ends rows without ignore_eos."""
+    stopped = rollout.generate_sequences(make_prompts(tok, meta_info={"n": 8}))
+    lengths = stopped.batch["response_mask"].sum(1)
+    ends = stopped.batch["responses"].gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+    assert (lengths < MAX_NEW).any() and (ends[lengths < MAX_NEW] == tok.eos_token_id).all()
+
+    full = rollout.generate_sequences(make_prompts(tok, meta_info={"n": 8, "ignore_eos": True}))
+    assert (full.batch["response_mask"] == 1).all()
+    assert (full.batch["responses"][:, :-1] == tok.eos_token_id).any()  # eos inside a response, which went on

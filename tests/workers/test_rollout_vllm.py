@@ -102,3 +102,14 @@ def test_n_samples_adjacent_and_distinct(vllm_wg, tok):
     for group in responses:  # 4 samples of 16 tokens from a near-uniform model: all different
         assert len({tuple(r.tolist()) for r in group}) == 4
     assert out.meta_info["rollout/tokens_per_s"] > 0
+
+
+def test_ignore_eos_gives_full_length_responses(vllm_wg, tok):
+    stopped = vllm_wg.generate_sequences(make_prompts(tok, meta_info={"n": 8}))
+    lengths = stopped.batch["response_mask"].sum(1)
+    ends = stopped.batch["responses"].gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+    assert (lengths < MAX_NEW).any() and (ends[lengths < MAX_NEW] == tok.eos_token_id).all()
+
+    full = vllm_wg.generate_sequences(make_prompts(tok, meta_info={"n": 8, "ignore_eos": True}))
+    assert (full.batch["response_mask"] == 1).all()
+    assert (full.batch["responses"][:, :-1] == tok.eos_token_id).any()  # eos inside a response, which went on

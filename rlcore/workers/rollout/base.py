@@ -6,7 +6,7 @@ padding, masks, positions, n-sample repetition, metrics) is built here once, so 
 the trainer byte-for-byte the same layout.
 
 Stopping rule, identical for both backends: a response ends at (and includes) the first token in
-``{eos} | stop_token_ids``, or at the token that completes one of the ``stop`` strings, or after
+``{eos} | stop_token_ids`` (eos left out with ``ignore_eos``), or at the token that completes one of the ``stop`` strings, or after
 ``max_new_tokens`` tokens. The tokens of a stop string stay in the response (the policy generated
 them); only the text of vLLM's ``CompletionOutput`` would hide it, and we never use text.
 """
@@ -58,6 +58,7 @@ class RolloutConfig:
     do_sample: bool = True
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
     dtype: str | None = None
     gpu_memory_utilization: float = 0.1
     kv_cache_memory_bytes: int | None = None
@@ -90,8 +91,10 @@ class SamplingSettings:
     do_sample: bool
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
 
-    OVERRIDABLE = ("temperature", "top_p", "top_k", "max_new_tokens", "n", "do_sample", "stop", "stop_token_ids")
+    OVERRIDABLE = ("temperature", "top_p", "top_k", "max_new_tokens", "n", "do_sample", "stop", "stop_token_ids",
+                   "ignore_eos")
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

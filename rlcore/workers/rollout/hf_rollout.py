@@ -97,14 +97,14 @@ class HFRollout(RolloutBackend):
             raise ValueError(f"the tokenizer of {model_cfg.path} has no eos_token_id; rollouts could never stop")
         self.model_eos_ids = _as_list(self.model.generation_config.eos_token_id)
         # A clean generation config: the checkpoint's own sampling defaults (temperature, top_k,
-        # repetition_penalty, ...) must not silently differ from what the vLLM backend applies.
-        self.model.generation_config = GenerationConfig(
-            eos_token_id=self.eos_token_id, pad_token_id=self.pad_token_id, bos_token_id=self.tokenizer.bos_token_id
-        )
+        # repetition_penalty, ...) must not silently differ from what the vLLM backend applies. Stop
+        # ids are passed on every call (none at all under ignore_eos).
+        self.model.generation_config = GenerationConfig(pad_token_id=self.pad_token_id, bos_token_id=self.tokenizer.bos_token_id)
         self.rng = _RngStream(rollout_cfg.seed + rank, self.device)
 
     def stop_token_ids(self, settings: SamplingSettings) -> list[int]:
-        return sorted({self.eos_token_id, *self.model_eos_ids, *settings.stop_token_ids})
+        eos = set() if settings.ignore_eos else {self.eos_token_id, *self.model_eos_ids}
+        return sorted(eos | set(settings.stop_token_ids))
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -118,7 +118,7 @@ class HFRollout(RolloutBackend):
             do_sample=not settings.greedy,
             **warpers,
             max_new_tokens=settings.max_new_tokens,
-            eos_token_id=stop_ids,
+            eos_token_id=stop_ids or None,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
             output_scores=True,

@@ -77,6 +77,7 @@ class VLLMRollout(RolloutBackend):
             max_tokens=settings.max_new_tokens,
             stop=list(settings.stop) or None,
             stop_token_ids=list(settings.stop_token_ids) or None,
+            ignore_eos=settings.ignore_eos,
             logprobs=0,  # only the sampled token's log-prob
             detokenize=bool(settings.stop),  # stop strings are matched on text; nothing else needs it
         )

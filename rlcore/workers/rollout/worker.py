@@ -15,7 +15,8 @@ Config (a dict or OmegaConf config with exactly these two sections; an unknown k
       n: 1                       samples per prompt; the n rows of one prompt are adjacent
       do_sample: true            false: greedy decoding
       stop: []                   stop strings (checked on the generated text; their tokens are kept)
-      stop_token_ids: []         extra token ids that end a response (eos always does)
+      stop_token_ids: []         extra token ids that end a response (eos does too, unless ignore_eos)
+      ignore_eos: false          true: eos does not end a response (fixed-length rollouts, benchmarks)
       dtype: null                weights dtype of the rollout engine; null: model.dtype for hf,
                                  "bfloat16" for vllm (on 2 CPU cores bf16 is ~2x faster than fp32)
       gpu_memory_utilization: 0.1   vllm: fraction of device memory (on CPU: of RAM) for the KV cache
@@ -25,7 +26,7 @@ Config (a dict or OmegaConf config with exactly these two sections; an unknown k
       seed: 0                    sampling seed; rank r uses seed + r
 
 Per-call overrides through ``prompts.meta_info``: temperature, top_p, top_k, max_new_tokens, n,
-do_sample, stop, stop_token_ids; ``validate=True`` means greedy with n=1 unless do_sample / n are
+do_sample, stop, stop_token_ids, ignore_eos; ``validate=True`` means greedy with n=1 unless do_sample / n are
 given too. See ``base.SamplingSettings.resolve``.
 
 Weights: ``sync_weights()`` (hybrid engine: an actor colocated in this process) pulls the actor's
