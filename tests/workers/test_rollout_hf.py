@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from rollout_fixtures import PROMPTS, hand_greedy, hand_log_probs, local_rollout, make_prompts, unpadded
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -140,6 +141,13 @@ def test_validate_is_greedy_single_sample_and_overrides_length(rollout, tok):
     assert val.batch["responses"].shape == (len(PROMPTS), 4)
     assert torch.equal(val.batch["responses"], greedy.batch["responses"][:, :4])
     assert val.meta_info["validate"] is True  # the input's meta_info travels on
+    assert val.meta_info["temperature"] == 1.0  # greedy log-probs are those of the plain softmax
+
+
+def test_output_records_the_sampling_temperature(model_dir, tok):
+    wg = local_rollout(model_dir, max_new_tokens=MAX_NEW, temperature=0.7)
+    assert wg.generate_sequences(make_prompts(tok)).meta_info["temperature"] == 0.7
+    assert wg.generate_sequences(make_prompts(tok, meta_info={"temperature": 1.2})).meta_info["temperature"] == 1.2
 
 
 def test_sampling_is_seeded_and_leaves_global_rng_alone(model_dir, tok):
@@ -170,22 +178,25 @@ def test_two_ranks_with_padding_match_one_rank(model_dir, tok, rollout):
 def test_config_errors_name_the_problem(model_dir, tok):
     with pytest.raises(KeyError, match="temprature"):
         parse_config({"model": {"path": model_dir}, "rollout": {"temprature": 1.0}})
-    with pytest.raises(KeyError, match="actor"):
-        parse_config({"model": {"path": model_dir}, "actor": {}})
+    with pytest.raises(KeyError, match="rollout"):
+        parse_config({"model": {"path": model_dir}, "rolout": {}})
     with pytest.raises(KeyError, match="path"):
-        parse_config({"model": {}})
+        parse_config({"model": {}, "rollout": {}})
+    model, rollout = parse_config(OmegaConf.create({"model": {"path": model_dir, "dtype": "bfloat16"},
+                                                    "rollout": {"n": 4, "stop": ["\n"]}, "actor": {"lr": 1.0}}))
+    assert (model.dtype, rollout.n, rollout.stop, rollout.temperature) == ("bfloat16", 4, ("\n",), 1.0)
     with pytest.raises(ValueError, match="backend"):
         parse_config({"model": {"path": model_dir}, "rollout": {"backend": "sglang"}})
     with pytest.raises(ValueError, match="top_p"):
         parse_config({"model": {"path": model_dir}, "rollout": {"top_p": 0.0}})
     with pytest.raises(ValueError, match="model.dtype"):
-        parse_config({"model": {"path": model_dir, "dtype": "float8"}})
+        parse_config({"model": {"path": model_dir, "dtype": "float8"}, "rollout": {}})
     with pytest.raises(ValueError, match="n must be positive"):
-        SamplingSettings.resolve(parse_config({"model": {"path": model_dir}})[1], {"n": 0})
+        SamplingSettings.resolve(parse_config({"model": {"path": model_dir}, "rollout": {}})[1], {"n": 0})
 
 
 def test_bad_prompts_and_order_errors(model_dir, tok, rollout):
-    wg = LocalWorkerGroup(ClassWithInitArgs(RolloutWorker, {"model": {"path": model_dir}}))
+    wg = LocalWorkerGroup(ClassWithInitArgs(RolloutWorker, {"model": {"path": model_dir}, "rollout": {}}))
     with pytest.raises(Exception, match="init_model"):
         wg.generate_sequences(make_prompts(tok))
     right_padded = make_prompts(tok)

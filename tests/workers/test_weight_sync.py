@@ -45,9 +45,16 @@ def _classes(model_dir):
 
 
 def _train_one_step(generate, compute_log_prob, update_policy, tok) -> None:
-    """One PPO step on sampled responses: +1 advantage for even rows, -1 for odd rows."""
-    batch = generate(make_prompts(tok, meta_info={"n": 2}))
+    """One PPO step on sampled responses: +1 advantage for even rows, -1 for odd rows.
+
+    On the way, the actor's old_log_probs (it reads the temperature from the rollout's meta_info)
+    must equal the fp32 engine's rollout_log_probs: the premise of rollout importance sampling.
+    """
+    batch = generate(make_prompts(tok, meta_info={"n": 2, "temperature": 0.7}))
     batch.union(compute_log_prob(batch))
+    mask = batch.batch["response_mask"].bool()
+    torch.testing.assert_close(batch.batch["old_log_probs"][mask], batch.batch["rollout_log_probs"][mask],
+                               atol=1e-4, rtol=0)
     sign = torch.where(torch.arange(len(batch)) % 2 == 0, 1.0, -1.0).unsqueeze(1)
     batch.batch["advantages"] = sign * batch.batch["response_mask"]
     update_policy(batch)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -148,7 +148,6 @@ class Generation:
     responses: torch.Tensor
     lengths: torch.Tensor
     log_probs: torch.Tensor
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutBackend(ABC):
@@ -169,27 +168,24 @@ class RolloutBackend(ABC):
 
 # ------------------------------------------------------------------ config parsing
 def parse_config(config: Any) -> tuple[ModelConfig, RolloutConfig]:
-    """Accept a dict or an OmegaConf config with exactly the sections ``model`` and ``rollout``."""
+    """Read the ``model`` and ``rollout`` sections of a dict or OmegaConf config.
+
+    Both sections must be present (a misspelt section name would otherwise silently mean
+    "all defaults"); other sections are left alone, so a recipe can pass its whole config.
+    """
     config = _to_plain(config)
     if not isinstance(config, Mapping):
         raise TypeError(f"RolloutWorker config must be a mapping with 'model' and 'rollout', got {type(config).__name__}")
-    _check_sections(config, required=("model",), allowed=("model", "rollout"))
+    missing = [s for s in ("model", "rollout") if s not in config]
+    if missing:
+        raise KeyError(f"RolloutWorker config is missing section(s) {missing}; it has {sorted(config)}")
     model = dict(config["model"] or {})
-    rollout = dict(config.get("rollout") or {})
+    rollout = dict(config["rollout"] or {})
     _check_keys("model", model, ModelConfig)
     _check_keys("rollout", rollout, RolloutConfig)
     if "path" not in model:
         raise KeyError("config section 'model' needs 'path' (a Hugging Face checkpoint directory)")
     return ModelConfig(**model), RolloutConfig(**rollout)
-
-
-def _check_sections(config: Mapping, required: tuple[str, ...], allowed: tuple[str, ...]) -> None:
-    unknown = sorted(set(config) - set(allowed))
-    if unknown:
-        raise KeyError(f"unknown config section(s) {unknown}; RolloutWorker reads only {list(allowed)}")
-    missing = [s for s in required if s not in config]
-    if missing:
-        raise KeyError(f"RolloutWorker config is missing section(s) {missing}")
 
 
 def _to_plain(config: Any) -> Any:
@@ -292,7 +288,6 @@ def build_output(prompts: DataProto, gen: Generation, pad_token_id: int, gen_tim
         meta_info=dict(prompts.meta_info),
     )
     n_tokens = int(response_mask.sum())
-    out.meta_info.update(gen.metrics)
     out.meta_info.update({
         "rollout/gen_time_s": gen_time_s,
         "rollout/tokens_per_s": n_tokens / gen_time_s if gen_time_s > 0 else float("nan"),

@@ -1,6 +1,7 @@
 """RolloutWorker: the rollout role as an SPMD worker; the backend (HF or vLLM) is a config choice.
 
-Config (a dict or OmegaConf config with exactly these two sections; an unknown key is an error)::
+Config (a dict or OmegaConf config with these two sections; an unknown key in them is an error,
+other sections are ignored so that a recipe can hand over its whole config)::
 
     model:
       path: str                  required; Hugging Face checkpoint directory (weights + tokenizer)
@@ -72,8 +73,9 @@ class RolloutWorker(Worker):
 
         Output keys: prompts, responses, response_mask, input_ids, attention_mask, position_ids,
         rollout_log_probs, the input's non-tensor fields (repeated like the rows), and meta_info
-        with the input's entries plus "rollout/gen_time_s", "rollout/tokens_per_s",
-        "rollout/num_generated_tokens" (of this rank; the driver sees rank 0's).
+        with the input's entries plus "temperature" (the one the log-probs refer to, 1.0 when
+        greedy), "rollout/gen_time_s", "rollout/tokens_per_s" and "rollout/num_generated_tokens"
+        (of this rank; the driver sees rank 0's).
         """
         backend = self._require_backend()
         if prompts.batch is None or any(k not in prompts.batch.keys() for k in PROMPT_KEYS):
@@ -86,7 +88,11 @@ class RolloutWorker(Worker):
             rows = rows.repeat(settings.n, interleave=True)
         start = time.perf_counter()
         gen = backend.generate(rows.batch["input_ids"], rows.batch["attention_mask"], rows.batch["position_ids"], settings)
-        return build_output(rows, gen, backend.pad_token_id, time.perf_counter() - start)
+        out = build_output(rows, gen, backend.pad_token_id, time.perf_counter() - start)
+        # The temperature rollout_log_probs refer to (greedy ones are plain softmax); the actor's
+        # compute_log_prob reads it from meta_info, so old_log_probs describe the same distribution.
+        out.meta_info["temperature"] = 1.0 if settings.greedy else settings.temperature
+        return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict[str, float]:

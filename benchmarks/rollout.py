@@ -1,0 +1,154 @@
+"""Rollout speed: HF ``generate`` vs vLLM (fp32 and bf16) on the same prompts, and weight-sync cost.
+
+    python benchmarks/rollout.py --preset small --prompts 256 --new-tokens 128
+
+Every backend runs through ``RolloutWorker`` (the code path recipes use) in a fresh subprocess: vLLM
+lowers the torch thread count of the process it lives in, which would slow whatever ran next.
+Generation samples at temperature 1 with ``ignore_eos``, so every backend produces exactly
+prompts x new-tokens tokens. Each engine is warmed up with one small batch before timing.
+
+Weight sync: ``update_weights`` with the model's own full state dict (what the actor hands over),
+against a plain ``param.copy_`` of the same tensors into an HF model of the engine's dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+BACKENDS = {
+    "hf": {"backend": "hf"},
+    "vllm-fp32": {"backend": "vllm", "dtype": "float32"},
+    "vllm-bf16": {"backend": "vllm", "dtype": "bfloat16"},
+}
+
+
+def make_prompts(tokenizer, count: int, max_len: int, seed: int):
+    """``count`` random digit-arithmetic-looking prompts of 50-100% of ``max_len`` characters, left-padded."""
+    import numpy as np
+    import torch
+
+    from rlcore.protocol import DataProto
+    from rlcore.trainer.dataset import collate_prompts
+
+    rng = np.random.default_rng(seed)
+    alphabet = list("0123456789+-*= ")
+    items = []
+    for i in range(count):
+        text = "".join(rng.choice(alphabet, size=int(rng.integers(max_len // 2, max_len + 1))))
+        items.append({"input_ids": torch.tensor(tokenizer(text)["input_ids"]), "uid": str(i)})
+    tensors, non_tensors = collate_prompts(items, tokenizer.pad_token_id)
+    return DataProto.from_dict(tensors, non_tensors)
+
+
+def run_one(args: argparse.Namespace) -> dict:
+    """Measure one backend in this process (the child side)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
+    from rlcore.workers.rollout import RolloutWorker
+
+    rollout_cfg = {**BACKENDS[args.child], "max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True,
+                   "seed": 0}
+    if rollout_cfg["backend"] == "vllm":
+        rollout_cfg.update(kv_cache_memory_bytes=args.kv_cache_mb << 20,
+                           max_model_len=args.prompt_len + args.new_tokens)
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    start = time.perf_counter()
+    wg = LocalWorkerGroup(ClassWithInitArgs(RolloutWorker, {"model": {"path": args.model_dir}, "rollout": rollout_cfg}))
+    wg.init_model()
+    init_s = time.perf_counter() - start
+
+    warm_up = make_prompts(tok, 8, args.prompt_len, seed=1)
+    warm_up.meta_info["max_new_tokens"] = 8
+    wg.generate_sequences(warm_up)
+    prompts = make_prompts(tok, args.prompts, args.prompt_len, seed=0)
+    start = time.perf_counter()
+    out = wg.generate_sequences(prompts)
+    gen_s = time.perf_counter() - start
+    n_tokens = int(out.batch["response_mask"].sum())
+
+    dtype = torch.float32 if rollout_cfg.get("dtype", "float32") == "float32" else torch.bfloat16
+    state = AutoModelForCausalLM.from_pretrained(args.model_dir).state_dict()
+    sync_s = [wg.update_weights(state)[0]["rollout/weight_sync_s"] for _ in range(args.sync_repeats)]
+    target = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).state_dict()
+    copy_s = []
+    for _ in range(args.sync_repeats):
+        start = time.perf_counter()
+        with torch.no_grad():
+            for name, tensor in state.items():
+                target[name].copy_(tensor)
+        copy_s.append(time.perf_counter() - start)
+    return {
+        "backend": args.child, "init_s": init_s, "gen_s": gen_s, "tokens": n_tokens, "tokens_per_s": n_tokens / gen_s,
+        "sync_s": statistics.median(sync_s), "copy_s": statistics.median(copy_s),
+        "params": sum(t.numel() for t in state.values()), "torch_threads": torch.get_num_threads(),
+    }
+
+
+def spawn(backend: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", backend, "--model-dir", args.model_dir,
+           "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
+           "--sync-repeats", str(args.sync_repeats), "--kv-cache-mb", str(args.kv_cache_mb)]
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not results:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise RuntimeError(f"benchmark of {backend} failed (exit code {proc.returncode})")
+    return json.loads(results[-1].removeprefix("RESULT "))
+
+
+def report(rows: list[dict], args: argparse.Namespace) -> None:
+    base = next((r for r in rows if r["backend"] == "hf"), rows[0])
+    print(f"\npreset={args.preset} ({rows[0]['params'] / 1e6:.1f}M params), {args.prompts} prompts of <= "
+          f"{args.prompt_len} tokens, {args.new_tokens} new tokens each, sampling T=1, 2-core CPU\n")
+    print(f"{'backend':<10} {'start s':>8} {'gen s':>8} {'tokens/s':>9} {'vs hf':>6} {'sync ms':>8} {'copy_ ms':>9} "
+          f"{'sync/copy_':>10}")
+    for r in rows:
+        print(f"{r['backend']:<10} {r['init_s']:8.1f} {r['gen_s']:8.2f} {r['tokens_per_s']:9.0f} "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:6.2f} {1e3 * r['sync_s']:8.1f} {1e3 * r['copy_s']:9.1f} "
+              f"{r['sync_s'] / r['copy_s']:10.1f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=["tiny", "small"], default="small")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt, in tokens")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, from {list(BACKENDS)}")
+    parser.add_argument("--sync-repeats", type=int, default=3)
+    parser.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM KV cache size")
+    parser.add_argument("--model-dir", help="reuse this model directory instead of building one")
+    parser.add_argument("--child", choices=list(BACKENDS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        print("RESULT " + json.dumps(run_one(args)), flush=True)
+        return
+    backends = args.backends.split(",")
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        parser.error(f"unknown backend(s) {unknown}; choose from {list(BACKENDS)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        if not args.model_dir:
+            from rlcore.models.tiny import build_tiny_model
+
+            args.model_dir = build_tiny_model(os.path.join(tmp, args.preset), preset=args.preset, seed=0)
+        rows = []
+        for backend in backends:
+            rows.append(spawn(backend, args))
+            print(f"{backend}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+        report(rows, args)
+
+
+if __name__ == "__main__":
+    main()
