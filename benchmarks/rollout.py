@@ -77,15 +77,17 @@ def run_one(args: argparse.Namespace) -> dict:
 
     dtype = torch.float32 if rollout_cfg.get("dtype", "float32") == "float32" else torch.bfloat16
     state = AutoModelForCausalLM.from_pretrained(args.model_dir).state_dict()
-    sync_s = [wg.update_weights(state)[0]["rollout/weight_sync_s"] for _ in range(args.sync_repeats)]
+    # One untimed round each first: the first touch of freshly loaded memory is not what a sync costs.
+    sync_s = [wg.update_weights(state)[0]["rollout/weight_sync_s"] for _ in range(1 + args.sync_repeats)][1:]
     target = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).state_dict()
     copy_s = []
-    for _ in range(args.sync_repeats):
+    for _ in range(1 + args.sync_repeats):
         start = time.perf_counter()
         with torch.no_grad():
             for name, tensor in state.items():
                 target[name].copy_(tensor)
         copy_s.append(time.perf_counter() - start)
+    copy_s = copy_s[1:]
     return {
         "backend": args.child, "init_s": init_s, "gen_s": gen_s, "tokens": n_tokens, "tokens_per_s": n_tokens / gen_s,
         "sync_s": statistics.median(sync_s), "copy_s": statistics.median(copy_s),
@@ -125,7 +127,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=32, help="longest prompt, in tokens")
     parser.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, from {list(BACKENDS)}")
-    parser.add_argument("--sync-repeats", type=int, default=3)
+    parser.add_argument("--sync-repeats", type=int, default=5, help="timed syncs (median reported)")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM KV cache size")
     parser.add_argument("--model-dir", help="reuse this model directory instead of building one")
     parser.add_argument("--child", choices=list(BACKENDS), help=argparse.SUPPRESS)
