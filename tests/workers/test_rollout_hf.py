@@ -230,7 +230,8 @@ def test_update_weights_changes_generation(model_dir, tok, ref_model):
 
 
 def test_ignore_eos_gives_full_length_responses(rollout, tok):
-    """32 samples x 10 tokens from a near-uniform 66-token model: eos gets sampled, and only ends rows without ignore_eos."""
+    """32 samples x 10 tokens from a near-uniform 66-token model: eos gets sampled, and ends a row
+    only without ignore_eos."""
     stopped = rollout.generate_sequences(make_prompts(tok, meta_info={"n": 8}))
     lengths = stopped.batch["response_mask"].sum(1)
     ends = stopped.batch["responses"].gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)

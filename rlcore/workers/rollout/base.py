@@ -6,9 +6,10 @@ padding, masks, positions, n-sample repetition, metrics) is built here once, so 
 the trainer byte-for-byte the same layout.
 
 Stopping rule, identical for both backends: a response ends at (and includes) the first token in
-``{eos} | stop_token_ids`` (eos left out with ``ignore_eos``), or at the token that completes one of the ``stop`` strings, or after
-``max_new_tokens`` tokens. The tokens of a stop string stay in the response (the policy generated
-them); only the text of vLLM's ``CompletionOutput`` would hide it, and we never use text.
+``{eos} | stop_token_ids`` (eos left out with ``ignore_eos``), or at the token that completes one
+of the ``stop`` strings (matched on the generated text only), or after ``max_new_tokens`` tokens.
+The tokens of a stop string stay in the response (the policy generated them); only the text of
+vLLM's ``CompletionOutput`` would hide it, and we never use text.
 """
 
 from __future__ import annotations
@@ -233,29 +234,6 @@ def check_left_padded(attention_mask: torch.Tensor) -> None:
     ones_after_first = attention_mask.cumsum(dim=1) > 0
     if not bool((attention_mask.bool() == ones_after_first).all()):
         raise ValueError("prompts must be left-padded: attention_mask has a 0 between two 1s")
-
-
-def truncate_at_stop(tokens: list[int], stop_ids: set[int], stop_strings: tuple[str, ...], decode) -> int:
-    """Number of tokens up to and including the first stop token or the token completing a stop string.
-
-    Containing a stop string is monotone in the prefix length, so a binary search needs only
-    O(log T) decodes per row.
-    """
-    length = len(tokens)
-    for i, tok in enumerate(tokens):
-        if tok in stop_ids:
-            length = i + 1
-            break
-    if not stop_strings or not any(s in decode(tokens[:length]) for s in stop_strings):
-        return length
-    lo, hi = 1, length  # the shortest prefix that contains a stop string lies in [lo, hi]
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if any(s in decode(tokens[:mid]) for s in stop_strings):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
 
 
 def build_output(prompts: DataProto, gen: Generation, pad_token_id: int, gen_time_s: float) -> DataProto:
