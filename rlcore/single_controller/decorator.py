@@ -30,6 +30,7 @@ class Dispatch(enum.Enum):
     DP_COMPUTE_PROTO = "dp_compute_proto"  # split DataProto args by rank; concat the DataProto results
     DP_COMPUTE_PROTO_WITH_FUNC = "dp_compute_proto_with_func"  # first arg (a function) to all ranks, rest as above
     DP_COMPUTE_METRIC = "dp_compute_metric"  # split DataProto args by rank; list of per-rank results (metrics)
+    COLLECTIVE_RANK_ZERO = "collective_rank_zero"  # every rank runs (e.g. a gather collective); rank 0's result
 
 
 class Execute(enum.Enum):
@@ -97,6 +98,9 @@ def _collect_first(ctx: CallContext, outputs: list) -> Any:
     return outputs[0]
 
 
+_collect_first.returns_rank_zero = True  # a future of it can be broadcast as one object ref
+
+
 def split_for_ranks(ctx: CallContext, value: Any, world_size: int, what: str) -> list:
     """Split one DataProto (or a future of one) into ``world_size`` parts, padding if allowed."""
     from rlcore.single_controller.worker_group import GroupFuture  # local import: no cycle at load
@@ -159,6 +163,7 @@ _BUILTIN: dict[Dispatch, DispatchMode] = {
     Dispatch.DP_COMPUTE_PROTO: DispatchMode(_dp_proto, collect_dp_proto, "dp_compute_proto"),
     Dispatch.DP_COMPUTE_PROTO_WITH_FUNC: DispatchMode(_dp_proto_with_func, collect_dp_proto, "dp_compute_proto_with_func"),
     Dispatch.DP_COMPUTE_METRIC: DispatchMode(_dp_proto, _collect_list, "dp_compute_metric"),
+    Dispatch.COLLECTIVE_RANK_ZERO: DispatchMode(_one_to_all, _collect_first, "collective_rank_zero"),
 }
 
 

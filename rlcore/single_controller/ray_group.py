@@ -38,6 +38,7 @@ class RayWorkerGroup(WorkerGroup):
     ) -> None:
         super().__init__(ray_cls_with_init, resource_pool.world_size, default_timeout)
         self.resource_pool = resource_pool
+        resource_pool.claim(id(self))
         resources = resource_pool.actor_resources()
         self.hosts = []
         for rank, (pg, bundle_index, _) in enumerate(resource_pool.slots()):
@@ -101,3 +102,4 @@ class RayWorkerGroup(WorkerGroup):
         for host in self.hosts:
             ray.kill(host, no_restart=True)
         self.hosts = []
+        self.resource_pool.release(id(self))

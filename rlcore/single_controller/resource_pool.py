@@ -36,6 +36,7 @@ class RayResourcePool:
         self.name_prefix = name_prefix
         self.ready_timeout_s = ready_timeout_s
         self._pgs: list | None = None
+        self._groups: set[int] = set()
 
     @property
     def world_size(self) -> int:
@@ -94,6 +95,19 @@ class RayResourcePool:
             best = max(fits, key=lambda c: sum(c.values()))
             for k in want:
                 best[k] -= want[k]
+
+    def claim(self, group_id: int) -> None:
+        """Reserve a share of every bundle for one worker group; more than max_colocate_count would never schedule."""
+        if len(self._groups) >= self.max_colocate_count:
+            raise ResourceError(
+                f"resource pool {self.name_prefix!r} already hosts {len(self._groups)} worker group(s) and "
+                f"max_colocate_count={self.max_colocate_count}; build it with a larger max_colocate_count to colocate "
+                "more groups, or colocate the roles in one group (create_colocated_worker_cls)"
+            )
+        self._groups.add(group_id)
+
+    def release(self, group_id: int) -> None:
+        self._groups.discard(group_id)
 
     def shutdown(self) -> None:
         for pg in self._pgs or []:

@@ -28,6 +28,7 @@ class Worker:
         self._local_rank = int(env.get("LOCAL_RANK", 0))
         self._master_addr = env.get("MASTER_ADDR", "127.0.0.1")
         self._master_port = env.get("MASTER_PORT", "")
+        self._in_process = env.get("RLCORE_IN_PROCESS") == "1"
         self._mesh: dict[str, dict] = {}
         self.colocated_workers: dict[str, Any] = {}
         return self
@@ -56,7 +57,7 @@ class Worker:
 
         if dist.is_initialized():
             return
-        if self.world_size > 1 and os.environ.get("RLCORE_IN_PROCESS") == "1":
+        if self.world_size > 1 and self._in_process:
             raise RuntimeError(
                 "an in-process worker group with world_size > 1 cannot run torch.distributed collectives "
                 "(all ranks share one process); use world_size=1 or a RayWorkerGroup"
@@ -65,7 +66,8 @@ class Worker:
             raise RuntimeError("MASTER_PORT is not set: build this worker through a worker group")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
-            torch.cuda.set_device(self.local_rank)
+            # Ray shows each GPU actor only its own device(s); a torchrun-style process sees all.
+            torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
         dist.init_process_group(
             backend=backend,
             init_method=f"tcp://{self._master_addr}:{self._master_port}",

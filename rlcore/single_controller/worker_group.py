@@ -91,9 +91,9 @@ class GroupFuture:
 
     @property
     def single_result_ref(self):
-        """The object ref of a pending one-rank result (RANK_ZERO), or None."""
-        ray_result = self.group.passes_object_refs and not self._done and len(self.handles) == 1
-        return self.handles[0] if ray_result else None
+        """The object ref of a pending rank-0 result (RANK_ZERO, COLLECTIVE_RANK_ZERO), or None."""
+        rank_zero = getattr(self.spec.mode.collect_fn, "returns_rank_zero", False)
+        return self.handles[0] if rank_zero and self.group.passes_object_refs and not self._done else None
 
     def split_for(self, ctx: CallContext, world_size: int, what: str) -> list:
         """Per-rank parts of this future's DataProto for a consumer call of ``world_size`` ranks."""

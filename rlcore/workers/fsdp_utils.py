@@ -58,8 +58,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlcore.protocol import DataProto
-from rlcore.single_controller import Dispatch, DispatchMode, Worker, register
-from rlcore.single_controller.decorator import resolve_dispatch_mode
+from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.trainer.seqlen_balancing import rearrange_micro_batches
 
 MODEL_DEFAULTS: dict[str, Any] = {"path": None, "dtype": "float32", "gradient_checkpointing": False}
@@ -86,9 +85,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 # Every rank runs (full state dict extraction is a collective); the driver gets rank 0's result.
-ALL_RANKS_RANK_ZERO_RESULT = DispatchMode(
-    resolve_dispatch_mode(Dispatch.ONE_TO_ALL).dispatch_fn, lambda ctx, outputs: outputs[0], "all_ranks_rank_zero_result"
-)
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -402,7 +398,7 @@ class FSDPTrainWorker(Worker):
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
-    @register(ALL_RANKS_RANK_ZERO_RESULT)
+    @register(Dispatch.COLLECTIVE_RANK_ZERO)
     def get_full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: full CPU tensor} from rank 0 (every rank takes part in the gather)."""
         return full_state_dict(self.module)

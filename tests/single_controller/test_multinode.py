@@ -1,0 +1,27 @@
+"""A worker group placed across two Ray nodes (two raylets on this machine)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.mark.slow
+def test_group_spans_two_nodes():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent.parent)]))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "multinode_check.py")], capture_output=True, text=True, timeout=300, env=env
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"multinode check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["nodes"] == 2
+    assert [w["rank"] for w in result["where"]] == [0, 1]
+    assert result["where"][0]["node_id"] != result["where"][1]["node_id"]  # one rank per node
+    assert [w["sum"] for w in result["where"]] == [3.0, 3.0]  # gloo all-reduce across the nodes
+    assert result["x"] == [0, 1, 102, 103]
