@@ -12,6 +12,7 @@ _EXPORTS = {
     "CriticWorker": "rlcore.workers.critic",
     "CRITIC_DEFAULTS": "rlcore.workers.critic",
     "RewardModelWorker": "rlcore.workers.reward_model",
+    "RolloutWorker": "rlcore.workers.rollout",
 }
 
 

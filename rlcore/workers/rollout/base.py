@@ -27,8 +27,8 @@ from rlcore.protocol import DataProto
 BACKENDS = ("hf", "vllm")
 
 
-def _check_keys(section: str, given: Mapping, cls: type) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
+def _check_keys(section: str, given: Mapping, cls: type, derived: frozenset[str] = frozenset()) -> None:
+    known = {f.name for f in dataclasses.fields(cls)} - derived
     unknown = sorted(set(given) - known)
     if unknown:
         raise KeyError(f"unknown key(s) {unknown} in config section {section!r}; known keys: {sorted(known)}")
@@ -36,10 +36,15 @@ def _check_keys(section: str, given: Mapping, cls: type) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """``model`` section: the checkpoint the rollout starts from."""
+    """``model`` section (shared with the actor): the checkpoint the rollout starts from.
+
+    ``device`` is not a key of its own: it comes from ``trainer.device`` (auto | cpu | cuda), the one
+    device setting of a run. ``gradient_checkpointing`` belongs to training and is ignored here.
+    """
 
     path: str
     dtype: str = "float32"
+    gradient_checkpointing: bool = False
     device: str = "cpu"
 
     def __post_init__(self) -> None:
@@ -182,11 +187,14 @@ def parse_config(config: Any) -> tuple[ModelConfig, RolloutConfig]:
         raise KeyError(f"RolloutWorker config is missing section(s) {missing}; it has {sorted(config)}")
     model = dict(config["model"] or {})
     rollout = dict(config["rollout"] or {})
-    _check_keys("model", model, ModelConfig)
+    _check_keys("model", model, ModelConfig, derived=frozenset({"device"}))
     _check_keys("rollout", rollout, RolloutConfig)
     if "path" not in model:
         raise KeyError("config section 'model' needs 'path' (a Hugging Face checkpoint directory)")
-    return ModelConfig(**model), RolloutConfig(**rollout)
+    device = str((config.get("trainer") or {}).get("device", "auto"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return ModelConfig(**model, device=device), RolloutConfig(**rollout)
 
 
 def _to_plain(config: Any) -> Any:

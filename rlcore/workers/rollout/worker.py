@@ -6,7 +6,9 @@ other sections are ignored so that a recipe can hand over its whole config)::
     model:
       path: str                  required; Hugging Face checkpoint directory (weights + tokenizer)
       dtype: "float32"           dtype of the HF backend's weights (float32 | bfloat16 | float16)
-      device: "cpu"              device of the HF backend ("cuda" on a GPU); vLLM picks its own platform
+      gradient_checkpointing     training only (shared model section); ignored by the rollout
+    trainer:
+      device: "auto"             device of the HF backend (auto: cuda if available); vLLM picks its own
     rollout:
       backend: "hf"              "hf" (transformers generate) or "vllm" (a vLLM engine in this process)
       temperature: 1.0           sampling temperature; 0 means greedy
