@@ -156,7 +156,7 @@ class RuleRewardManager:
     ) -> None:
         if isinstance(reward_fn, Mapping):
             if reward_fn_by_source:
-                raise ValueError("give per-source functions as reward_fn (a mapping) or as reward_fn_by_source, not both")
+                raise ValueError("per-source functions go in reward_fn (a mapping) or reward_fn_by_source, not both")
             reward_fn, reward_fn_by_source = None, reward_fn
         if not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
             raise ValueError(f"reward timeout_s must be a positive number of seconds, got {timeout_s!r}")
