@@ -13,6 +13,8 @@ _EXPORTS = {
     "CRITIC_DEFAULTS": "rlcore.workers.critic",
     "RewardModelWorker": "rlcore.workers.reward_model",
     "RolloutWorker": "rlcore.workers.rollout",
+    "RewardWorker": "rlcore.workers.reward",
+    "RuleRewardManager": "rlcore.workers.reward",
 }
 
 
