@@ -20,6 +20,7 @@ import re
 from pathlib import Path
 from typing import Callable, Protocol
 
+from rlcore.registry import Registry
 from rlcore.rewards.math_answers import (
     answers_equal,
     extract_answer_tag,
@@ -33,30 +34,17 @@ class RewardFn(Protocol):
     def __call__(self, response: str, ground_truth: str, **extra) -> float: ...
 
 
-_REGISTRY: dict[str, RewardFn] = {}
-
-
-def register_reward_fn(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make `fn` available to `get_reward_fn(name)`. A name can be taken only once."""
-
-    def decorate(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY:
-            raise ValueError(f"reward function {name!r} is already registered")
-        if not callable(fn):
-            raise TypeError(f"reward function {name!r} must be callable, got {type(fn).__name__}")
-        _REGISTRY[name] = fn
-        return fn
-
-    return decorate
+_REGISTRY: Registry[RewardFn] = Registry("reward function")
+register_reward_fn = _REGISTRY.register
 
 
 def get_reward_fn(name_or_path: str) -> RewardFn:
     """A registered reward function, or one imported from "module:function" / "file.py:function"."""
     if name_or_path in _REGISTRY:
-        return _REGISTRY[name_or_path]
+        return _REGISTRY.get(name_or_path)
     if ":" not in name_or_path:
         raise ValueError(f"unknown reward function {name_or_path!r}; registered: "
-                         f"{sorted(_REGISTRY)}, or give 'package.module:function' or "
+                         f"{_REGISTRY.names()}, or give 'package.module:function' or "
                          f"'/path/file.py:function'")
     where, attr = name_or_path.rsplit(":", 1)
     module = _load_module(where)

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rlcore.registry import Registry
+
 Tensor = torch.Tensor
 
 # ---------------------------------------------------------------------------------------------
@@ -120,27 +122,9 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------
 
 AdvantageFn = Callable[..., tuple[Tensor, Tensor]]
-_ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
-
-
-def register_advantage_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
-    """Decorator: make an estimator available to configs as ``name``."""
-
-    def decorator(fn: AdvantageFn) -> AdvantageFn:
-        if name in _ADVANTAGE_ESTIMATORS:
-            raise ValueError(f"advantage estimator {name!r} is already registered")
-        _ADVANTAGE_ESTIMATORS[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_advantage_estimator(name: str) -> AdvantageFn:
-    if name not in _ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {name!r}; known: {sorted(_ADVANTAGE_ESTIMATORS)}"
-        )
-    return _ADVANTAGE_ESTIMATORS[name]
+_ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+register_advantage_estimator = _ADVANTAGE_ESTIMATORS.register
+get_advantage_estimator = _ADVANTAGE_ESTIMATORS.get
 
 
 def _group_ids(index: Sequence[Hashable] | np.ndarray | Tensor, batch_size: int, device) -> Tensor:
@@ -527,25 +511,9 @@ def _positive(name: str, count: int | Tensor) -> int | Tensor:
 # ---------------------------------------------------------------------------------------------
 
 PolicyLossFn = Callable[..., tuple[Tensor, dict[str, float]]]
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: make a policy loss available to configs as ``name``."""
-
-    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered")
-        _POLICY_LOSSES[name] = fn
-        return fn
-
-    return decorator
-
-
-def get_policy_loss(name: str) -> PolicyLossFn:
-    if name not in _POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; known: {sorted(_POLICY_LOSSES)}")
-    return _POLICY_LOSSES[name]
+_POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+register_policy_loss = _POLICY_LOSSES.register
+get_policy_loss = _POLICY_LOSSES.get
 
 
 def _log_ratio(log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor, response_mask: Tensor) -> Tensor:

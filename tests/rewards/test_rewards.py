@@ -177,7 +177,7 @@ def test_math_reward(response, truth, kwargs, expected):
 
 
 def test_register_and_look_up_by_name(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))  # undo after the test
+    monkeypatch.setattr(registry._REGISTRY, "_entries", dict(registry._REGISTRY._entries))  # undo after the test
 
     @register_reward_fn("test_length_reward")
     def length_reward(response, ground_truth, **extra):

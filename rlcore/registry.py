@@ -1,0 +1,40 @@
+"""Registry: named, pluggable functions (advantage estimators, policy losses, reward functions).
+
+A config names the function; a recipe or user module adds its own with ``@registry.register(name)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Generic, TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(Generic[F]):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator: make ``fn`` available as ``name``. A name can be taken only once."""
+
+        def decorate(fn: F) -> F:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            if not callable(fn):
+                raise TypeError(f"{self.kind} {name!r} must be callable, got {type(fn).__name__}")
+            self._entries[name] = fn
+            return fn
+
+        return decorate
+
+    def get(self, name: str) -> F:
+        if name not in self._entries:
+            raise ValueError(f"unknown {self.kind} {name!r}; known: {self.names()}")
+        return self._entries[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
