@@ -23,6 +23,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, Callable, NamedTuple
 
+from rlcore.registry import Registry
+
 Observation = list[int]
 
 
@@ -54,25 +56,12 @@ class Env(ABC):
     def step(self, action_token_ids: Sequence[int]) -> StepResult: ...
 
 
-_ENVS: dict[str, Callable[..., Env]] = {}
-
-
-def register_env(name: str) -> Callable[[Callable[..., Env]], Callable[..., Env]]:
-    """Decorator: ``make_env(name, tokenizer, **kwargs)`` builds this class. Names are taken once."""
-
-    def decorate(cls: Callable[..., Env]) -> Callable[..., Env]:
-        if name in _ENVS:
-            raise ValueError(f"env {name!r} is already registered")
-        _ENVS[name] = cls
-        return cls
-
-    return decorate
+_ENVS: Registry[Callable[..., Env]] = Registry("env")
+register_env = _ENVS.register  # decorator: make_env(name, tokenizer, **kwargs) builds the class
 
 
 def make_env(name: str, tokenizer, **kwargs: Any) -> Env:
-    if name not in _ENVS:
-        raise KeyError(f"unknown env {name!r}; registered: {sorted(_ENVS)}")
-    return _ENVS[name](tokenizer, **kwargs)
+    return _ENVS.get(name)(tokenizer, **kwargs)
 
 
 def user_turn(content: str) -> str:

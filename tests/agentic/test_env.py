@@ -77,7 +77,7 @@ def test_bad_arguments_are_named(tok):
 def test_registry(tok):
     env = make_env("guess_number", tok, high=5)
     assert isinstance(env, GuessNumberEnv) and env.high == 5
-    with pytest.raises(KeyError, match="unknown env 'nope'.*guess_number"):
+    with pytest.raises(ValueError, match="unknown env 'nope'.*guess_number"):
         make_env("nope", tok)
     with pytest.raises(ValueError, match="already registered"):
         register_env("guess_number")(GuessNumberEnv)
