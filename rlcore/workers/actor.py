@@ -174,7 +174,8 @@ class ActorWorker(FSDPTrainWorker):
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO epochs over mini-batches of this rank's rows; returns means of the ``actor/*`` metrics."""
         cfg = self.train_cfg
-        keys = INPUT_KEYS + ["response_mask", "old_log_probs", "advantages"]
+        # A loss that reads the micro-batch itself (e.g. DPO) decides which keys it needs.
+        keys = INPUT_KEYS + ["response_mask"] + ([] if self.loss_takes_data else ["old_log_probs", "advantages"])
         if cfg.use_kl_loss:
             keys.append("ref_log_prob")
         if cfg.use_rollout_is:
@@ -196,7 +197,7 @@ class ActorWorker(FSDPTrainWorker):
             )
             metrics.update(is_metrics)
         loss, pg_metrics = self.policy_loss_fn(
-            log_prob, b["old_log_probs"], b["advantages"], mask,
+            log_prob, b.get("old_log_probs", None), b.get("advantages", None), mask,
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode, is_weights=is_weights, **counts,
             **({"data": micro} if self.loss_takes_data else {}),
