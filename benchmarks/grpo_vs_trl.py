@@ -1,0 +1,170 @@
+"""One GRPO step, rlcore vs TRL's GRPOTrainer, on the same model, prompts and sizes (CPU).
+
+    pip install "trl==1.16.0"        # not a dependency of rlcore; only this benchmark needs it
+    python benchmarks/grpo_vs_trl.py --preset small --prompts 32 --n 8 --new-tokens 128 --steps 4
+
+Both sides sample prompts x n completions of exactly ``--new-tokens`` tokens (eos ignored, so both
+generate the same number of tokens), score them with the same arithmetic reward, compute GRPO
+advantages and take one optimizer step on all completions (one mini-batch), then the next step
+uses the updated policy:
+
+  rlcore  the hybrid engine in one process: ``RolloutWorker`` (vLLM, bf16 sampling) colocated with
+          ``ActorWorker`` (fp32 training), weights synced in memory after each update
+  TRL     ``GRPOTrainer`` with HF ``generate`` (fp32), beta=0 (no reference model), as on CPU
+
+Each side runs in its own subprocess (vLLM changes process-wide torch settings). The first step is
+warm-up; the report is the median of the others, the ratio TRL / rlcore (above 1: rlcore faster),
+and the mean reward per step of both (a random-init model scores ~0 on both sides; the point of
+the reward columns is that neither side does something else).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def make_prompts(count: int) -> list[dict]:
+    from rlcore.data.arithmetic import make_arithmetic_examples
+
+    return make_arithmetic_examples(count, seed=0, max_operand=20)
+
+
+def run_rlcore(args) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlcore.protocol import DataProto
+    from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls
+    from rlcore.trainer.core_algos import compute_grpo_outcome_advantage
+    from rlcore.trainer.dataset import collate_prompts
+    from rlcore.workers.actor import ActorWorker
+    from rlcore.workers.reward import RuleRewardManager
+    from rlcore.workers.rollout import RolloutWorker
+
+    threads = torch.get_num_threads()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    rows = args.prompts * args.n
+    config = {
+        "model": {"path": args.model},
+        "rollout": {"backend": "vllm", "dtype": "bfloat16", "n": args.n, "max_new_tokens": args.new_tokens,
+                    "ignore_eos": True, "kv_cache_memory_bytes": 1 << 30},
+        "actor": {"lr": 1e-5, "ppo_mini_batch_size": rows, "ppo_micro_batch_size_per_gpu": args.micro_batch},
+    }
+    group = LocalWorkerGroup(create_colocated_worker_cls({
+        "actor": ClassWithInitArgs(ActorWorker, config), "rollout": ClassWithInitArgs(RolloutWorker, config)}))
+    roles = group.spawn({"actor", "rollout"})
+    actor, rollout = roles["actor"], roles["rollout"]
+    actor.init_model()
+    rollout.init_model()
+    torch.set_num_threads(threads)  # vLLM lowers the process's torch threads; training wants them all
+    reward = RuleRewardManager(tok, "arithmetic", num_workers=0)
+    examples = make_prompts(args.prompts)
+    items = [{"input_ids": torch.tensor(tok(e["prompt"])["input_ids"]), "ground_truth": e["answer"], "uid": str(i)}
+             for i, e in enumerate(examples)]
+    tensors, non_tensors = collate_prompts(items, tok.pad_token_id)
+    step_times, rewards = [], []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        batch = rollout.generate_sequences(DataProto.from_dict(tensors, non_tensors))
+        batch.union(reward(batch))
+        batch.union(actor.compute_log_prob(batch))
+        adv, _ = compute_grpo_outcome_advantage(batch.batch["token_level_scores"], batch.batch["response_mask"],
+                                                batch.non_tensor_batch["uid"])
+        batch.batch["advantages"] = adv
+        actor.update_policy(batch)
+        rollout.sync_weights()
+        step_times.append(time.perf_counter() - start)
+        rewards.append(float(batch.batch["reward_scores"].mean()))
+    assert len(batch) == rows and int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
+    return {"step_s": step_times, "reward": rewards, "torch_threads": threads}
+
+
+def run_trl(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlcore.rewards.registry import get_reward_fn
+
+    arithmetic = get_reward_fn("arithmetic")
+
+    def reward_fn(completions, answer, **_):
+        return [arithmetic(c, a) for c, a in zip(completions, answer)]
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.times, self._start = [], 0.0
+
+        def on_step_begin(self, *a, **k):
+            self._start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.times.append(time.perf_counter() - self._start)
+
+    rows = args.prompts * args.n
+    tok = AutoTokenizer.from_pretrained(args.model)
+    data = Dataset.from_list([{"prompt": e["prompt"], "answer": e["answer"]} for e in make_prompts(args.prompts)])
+    cfg = GRPOConfig(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=rows, num_generations=args.n,
+        max_completion_length=args.new_tokens, generation_kwargs={"min_new_tokens": args.new_tokens},
+        learning_rate=1e-5, beta=0.0, use_cpu=True, bf16=False, max_steps=args.steps, logging_steps=1,
+        save_strategy="no", report_to="none", shuffle_dataset=False, seed=0,
+    )
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=args.model, reward_funcs=reward_fn, args=cfg, train_dataset=data,
+                          processing_class=tok, callbacks=[timer])
+    trainer.train()
+    logs = trainer.state.log_history
+    rewards = [h["reward"] for h in logs if "reward" in h]
+    lengths = [h["completions/mean_length"] for h in logs if "completions/mean_length" in h]
+    assert lengths and all(abs(n - args.new_tokens) < 1e-6 for n in lengths), f"TRL completion lengths {lengths}"
+    return {"step_s": timer.times, "reward": rewards, "torch_threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--side", choices=["rlcore", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.side:
+        result = run_rlcore(args) if args.side == "rlcore" else run_trl(args)
+        print("RESULT " + json.dumps(result))
+        return
+
+    from rlcore.models.tiny import build_tiny_model
+
+    args.model = build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
+    results = {}
+    for side in ("rlcore", "trl"):
+        cmd = [sys.executable, __file__, "--side", side, "--model", args.model] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("side", "model")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            sys.exit(f"{side} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        results[side] = json.loads(lines[-1][len("RESULT "):])
+    ours, trl = (statistics.median(results[s]["step_s"][1:]) for s in ("rlcore", "trl"))
+    print(f"{args.preset} model, {args.prompts} prompts x {args.n} samples x {args.new_tokens} tokens, "
+          f"median of steps 2..{args.steps}")
+    print(f"rlcore step {ours:.1f} s | TRL step {trl:.1f} s | TRL / rlcore = {trl / ours:.2f}")
+    for side in ("rlcore", "trl"):
+        print(f"  {side:6s} step times {[round(t, 1) for t in results[side]['step_s']]}  "
+              f"reward {[round(r, 3) for r in results[side]['reward']]}")
+
+
+if __name__ == "__main__":
+    main()
