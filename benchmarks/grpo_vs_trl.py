@@ -62,7 +62,9 @@ def run_rlcore(args) -> dict:
     actor, rollout = roles["actor"], roles["rollout"]
     actor.init_model()
     rollout.init_model()
-    torch.set_num_threads(threads)  # vLLM lowers the process's torch threads; training wants them all
+    # vLLM lowers the process's torch threads to 1 (multi-threaded ops spin-wait badly under load);
+    # the actor's training then runs single-threaded too. Reported below as torch_threads.
+    threads = torch.get_num_threads()
     reward = RuleRewardManager(tok, "arithmetic", num_workers=0)
     examples = make_prompts(args.prompts)
     items = [{"input_ids": torch.tensor(tok(e["prompt"])["input_ids"]), "ground_truth": e["answer"], "uid": str(i)}
