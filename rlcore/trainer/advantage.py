@@ -1,0 +1,71 @@
+"""The driver-side step between scoring and the update: rewards (scores minus an optional KL
+penalty), then advantages and returns from the configured estimator.
+
+Estimators in ``core_algos``' registry take different inputs (GAE needs values, GRPO the prompt
+``uid`` groups, ReMax a baseline reward). ``compute_advantage`` offers each one what the batch and
+``algorithm`` config hold, by parameter name, so a newly registered estimator works from config
+alone; a required input the batch lacks is an error naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from omegaconf import DictConfig
+
+from rlcore.protocol import DataProto
+from rlcore.trainer.core_algos import (
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    get_advantage_estimator,
+    get_kl_controller,
+)
+
+
+def build_kl_controller(algo: DictConfig) -> FixedKLController | AdaptiveKLController:
+    c = algo.kl_ctrl
+    if c.type == "adaptive":
+        return get_kl_controller("adaptive", init_kl_coef=c.kl_coef, target_kl=c.target_kl, horizon=c.horizon)
+    return get_kl_controller(c.type, kl_coef=c.kl_coef)
+
+
+def compute_rewards(batch: DataProto, algo: DictConfig,
+                    kl_ctrl: FixedKLController | AdaptiveKLController | None) -> dict[str, float]:
+    """``token_level_rewards``: the scores, minus coef * KL(pi_old || ref) per token when
+    ``algorithm.use_kl_in_reward`` (needs old_log_probs and ref_log_prob). Returns its metrics."""
+    b = batch.batch
+    if not algo.use_kl_in_reward:
+        b["token_level_rewards"] = b["token_level_scores"]
+        return {}
+    if kl_ctrl is None:
+        raise ValueError("algorithm.use_kl_in_reward needs a KL controller (build_kl_controller)")
+    rewards, metrics = apply_kl_penalty(b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"],
+                                        b["response_mask"], kl_ctrl, kind=algo.kl_penalty)
+    b["token_level_rewards"] = rewards
+    return metrics
+
+
+def compute_advantage(batch: DataProto, algo: DictConfig) -> None:
+    """Fill ``advantages`` and ``returns`` (B, T_r) with the estimator ``algorithm.adv_estimator``."""
+    estimator = get_advantage_estimator(algo.adv_estimator)
+    b = batch.batch
+    offered: dict[str, Any] = {
+        "token_level_rewards": b["token_level_rewards"],
+        "response_mask": b["response_mask"],
+        "gamma": algo.gamma,
+        "lam": algo.lam,
+        "norm_adv_by_std": algo.norm_adv_by_std,
+    }
+    for key in ("values", "reward_baselines"):
+        if key in b.keys():
+            offered[key] = b[key]
+    if "uid" in batch.non_tensor_batch:
+        offered["index"] = batch.non_tensor_batch["uid"]
+    params = inspect.signature(estimator).parameters
+    missing = [name for name, p in params.items() if p.default is inspect.Parameter.empty and name not in offered]
+    if missing:
+        raise KeyError(f"advantage estimator {algo.adv_estimator!r} needs {missing}, which the batch does not hold")
+    advantages, returns = estimator(**{k: v for k, v in offered.items() if k in params})
+    b["advantages"], b["returns"] = advantages, returns
