@@ -1,0 +1,85 @@
+"""PPO with a learned critic and GAE (Schulman et al. 2017; Ouyang et al. 2022's KL-in-reward), with
+actor, critic, rollout and reference colocated in one process per rank (the hybrid engine).
+
+    python -m recipes.ppo                    # tiny warm-started model on the arithmetic task, CPU
+    python -m recipes.ppo model.path=<HF dir> data.train_files=<f> data.val_files=<f> \\
+        rollout.backend=vllm trainer.device=cuda trainer.procs_per_node=8
+
+Per step, for a batch of prompts:
+    sample rollout.n responses per prompt from the current policy          generate
+    score each response with the rule reward (on its last token)           reward
+    log-probs under the sampling policy and under the frozen reference     old / ref log-probs
+    the critic's value of every response prefix                            values
+    rewards = scores - beta * KL(pi_old || ref) per token, beta adapted    KL penalty
+    GAE advantages and returns over the response tokens                    advantages
+    clipped value regression to the returns; clipped policy step           update critic, actor
+    the rollout engine loads the new weights                               sync
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+from transformers import AutoTokenizer
+
+from recipes.sft import warm_start
+from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards
+from rlcore.trainer.builder import build_data, build_workers
+from rlcore.trainer.config import load_config, register_schema
+from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
+from rlcore.workers.reward import RuleRewardManager
+
+SECTIONS = ("model", "warmstart", "data", "actor", "critic", "rollout", "reward", "algorithm", "trainer")
+register_schema("ppo_schema", SECTIONS)
+
+
+def train(cfg: DictConfig) -> TrainingRun:
+    cfg = load_config(cfg, SECTIONS)
+    if cfg.model.path is None:
+        cfg.model.path = warm_start(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    loader, val_batches = build_data(cfg, tokenizer)
+    use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    workers = build_workers(cfg, ["actor", "critic", "rollout"] + (["ref"] if use_ref else []))
+    reward_fn = RuleRewardManager.from_config(cfg)
+    kl_ctrl = build_kl_controller(cfg.algorithm)
+    run = TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn),
+                      state={"kl_ctrl": kl_ctrl})
+    try:
+        for step in run.steps():
+            prompts = run.next_prompts()
+            with run.timer("gen"):
+                batch = workers.rollout.generate_sequences(prompts)
+            with run.timer("reward"):
+                batch.union(reward_fn(batch))
+            with run.timer("old_log_prob"):
+                batch.union(workers.actor.compute_log_prob(batch))
+            if use_ref:
+                with run.timer("ref"):
+                    batch.union(workers.ref.compute_ref_log_prob(batch))
+            with run.timer("values"):
+                batch.union(workers.critic.compute_values(batch))
+            with run.timer("adv"):
+                metrics = compute_rewards(batch, cfg.algorithm, kl_ctrl)
+                compute_advantage(batch, cfg.algorithm)
+            with run.timer("update_critic"):
+                metrics.update(mean_over_ranks(workers.critic.update_critic(batch)))
+            with run.timer("update_actor"):
+                metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))
+            with run.timer("sync_weights"):
+                workers.rollout.sync_weights()
+            run.end_step(step, {**metrics, **batch_metrics(batch)}, batch)
+    finally:
+        run.close()
+        workers.shutdown()
+    return run
+
+
+@hydra.main(config_path="config", config_name="ppo", version_base=None)
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""SFT: supervised fine-tuning on prompt -> answer + eos; also the warm start of the RL recipes.
+
+    python -m recipes.sft                    # a tiny model from scratch on the arithmetic task (CPU)
+    python -m recipes.sft model.path=<HF dir> data.train_files=<f> data.val_files=<f> trainer.device=cuda
+
+Each step takes a batch of prompts, appends each one's answer and eos as the "response" (the
+rollout layout, so the actor's forward is reused unchanged), and takes one optimizer step on the
+token-mean negative log-likelihood of those response tokens. Validation decodes greedily and scores
+with the reward function, exactly as the RL recipes validate, so the numbers compare.
+
+``warm_start(rl_cfg)`` is how the RL recipes get a policy that is sometimes right when
+``model.path`` is null: this recipe's defaults, on the RL recipe's data, run until greedy
+validation reward reaches ``warmstart.target_val_reward``; the result is cached by config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import AutoTokenizer
+
+from rlcore.protocol import DataProto
+from rlcore.single_controller import Dispatch, register
+from rlcore.trainer.builder import build_data, build_workers
+from rlcore.trainer.config import load_config, register_schema
+from rlcore.trainer.core_algos import agg_loss, masked_mean
+from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.validation import mean_over_ranks, validate
+from rlcore.workers.actor import INPUT_KEYS, ActorWorker
+from rlcore.workers.reward import RuleRewardManager
+
+SECTIONS = ("model", "tiny_model", "data", "actor", "rollout", "reward", "trainer")
+register_schema("sft_schema", SECTIONS)
+CONFIG = Path(__file__).parent / "config" / "sft.yaml"
+
+
+class SFTWorker(ActorWorker):
+    """The actor plus an NLL update; FSDP, checkpoints and HF export are the actor's own."""
+
+    @register(Dispatch.DP_COMPUTE_METRIC)
+    def train_sft(self, data: DataProto) -> dict[str, float]:
+        return self.run_updates(data.select(batch_keys=INPUT_KEYS + ["response_mask"]), self._nll, prefix="sft")
+
+    def _nll(self, micro: DataProto, **counts) -> tuple[torch.Tensor, dict[str, float]]:
+        log_prob, _ = self._forward(micro)
+        mask = micro.batch["response_mask"]
+        return agg_loss(-log_prob, mask, "token-mean", **counts), {"nll": masked_mean(-log_prob.detach(), mask).item()}
+
+
+def sft_batch(prompts: DataProto, tokenizer) -> DataProto:
+    """prompts ++ (answer + eos), right-padded: the rollout's layout with the answer as the response."""
+    answers = [tokenizer(str(a), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+               for a in prompts.non_tensor_batch["ground_truth"]]
+    width = max(len(a) for a in answers)
+    responses = torch.full((len(answers), width), tokenizer.pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(answers), width), dtype=torch.long)
+    for row, ids in enumerate(answers):
+        responses[row, : len(ids)] = torch.tensor(ids)
+        response_mask[row, : len(ids)] = 1
+    p = prompts.batch
+    return DataProto.from_dict({
+        "prompts": p["input_ids"], "responses": responses, "response_mask": response_mask,
+        "input_ids": torch.cat([p["input_ids"], responses], 1),
+        "attention_mask": torch.cat([p["attention_mask"], response_mask], 1),
+        "position_ids": torch.cat([p["position_ids"], p["position_ids"][:, -1:] + 1 + torch.arange(width)], 1),
+    }, prompts.non_tensor_batch)
+
+
+def train(cfg: DictConfig) -> TrainingRun:
+    """Run SFT; the trained model is exported as a HF directory to ``<run dir>/hf``."""
+    cfg = load_config(cfg, SECTIONS)
+    run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.project / cfg.trainer.run_name
+    if cfg.model.path is None:  # a fresh tiny model, trained from scratch
+        from rlcore.models.tiny import build_tiny_model
+
+        cfg.model.path = build_tiny_model(run_dir.resolve() / "init_model", **OmegaConf.to_container(cfg.tiny_model))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    loader, val_batches = build_data(cfg, tokenizer)
+    workers = build_workers(cfg, ["actor", "rollout"], classes={"actor": SFTWorker})
+    reward_fn = RuleRewardManager.from_config(cfg)
+
+    def validate_now() -> dict[str, float]:
+        workers.rollout.sync_weights()  # greedy decoding with the weights trained so far
+        return validate(workers.rollout, val_batches, reward_fn)
+
+    run = TrainingRun(cfg, workers, loader, validate_now)
+    try:
+        for step in run.steps():
+            batch = sft_batch(run.next_prompts(), tokenizer)
+            with run.timer("update_actor"):
+                metrics = mean_over_ranks(workers.actor.train_sft(batch))
+            run.end_step(step, metrics, batch)
+        workers.actor.export_hf(str(run.dir / "hf"))
+    finally:
+        run.close()
+        workers.shutdown()
+    return run
+
+
+def warm_start(rl_cfg: DictConfig) -> str:
+    """The HF directory of the RL recipes' default starting policy, built on first use.
+
+    The SFT config is sft.yaml with the RL run's data, placement and warm-start settings; a hash
+    of it names the cache folder, so recipes with the same data share one warm start.
+    """
+    cfg = OmegaConf.load(CONFIG)
+    for hydra_key in ("defaults", "hydra"):
+        cfg.pop(hydra_key)
+    placement = ("backend", "device", "nnodes", "procs_per_node", "cpus_per_proc", "ray_num_cpus")
+    cfg.data = rl_cfg.data
+    cfg.trainer.total_steps = rl_cfg.warmstart.max_steps
+    cfg.trainer.stop_at_val_reward = rl_cfg.warmstart.target_val_reward
+    key = hashlib.sha1(json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(rl_cfg.warmstart.dir).resolve() / key
+    marker = folder / "warmstart.json"
+    if not marker.exists():
+        for k in placement:
+            cfg.trainer[k] = rl_cfg.trainer[k]
+        cfg.trainer.update(output_dir=str(folder), project="sft", run_name="run", save_freq=0, resume="disable")
+        start = time.perf_counter()
+        print(f"warm start: SFT of a tiny model until greedy val reward >= {cfg.trainer.stop_at_val_reward} -> {folder}")
+        shutil.rmtree(folder, ignore_errors=True)  # a build that died midway left no marker
+        run = train(cfg)
+        info = {"model_dir": str(run.dir / "hf"), "val_reward": run.last_val["val/reward_mean"],
+                "seconds": round(time.perf_counter() - start, 1)}
+        marker.write_text(json.dumps(info) + "\n")  # last: marks the warm start complete
+    info = json.loads(marker.read_text())
+    print(f"warm start: {info['model_dir']} (greedy val reward {info['val_reward']:.3f})", flush=True)
+    return info["model_dir"]
+
+
+@hydra.main(config_path="config", config_name="sft", version_base=None)
+def main(cfg: DictConfig) -> None:
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Build what a recipe runs on from its config: the worker groups and the prompt data.
+
+Worker groups. Every role a recipe asks for (actor, ref, rollout, critic) lives in one process per
+rank: the "hybrid engine", where the rollout engine loads the actor's new weights in memory
+(``rollout.sync_weights()``) and the roles take turns on the same device. One colocated group is
+built, then ``spawn`` gives a per-role view of it, so a recipe calls ``workers.actor.update_policy``
+and never sees role prefixes. ``trainer.backend`` picks where the ranks live:
+
+- ``ray``: a ``RayResourcePool`` of ``trainer.nnodes x trainer.procs_per_node`` bundles (each
+  ``trainer.cpus_per_proc`` CPUs, plus one GPU with ``trainer.device=cuda``), one Ray actor per rank.
+  A local Ray instance is started when none is running (``trainer.ray_num_cpus`` CPUs).
+- ``local``: one rank in this process (notebooks, debugging, machines without Ray).
+
+Every worker receives the whole (plain) recipe config and reads the sections it owns.
+
+Data. ``data.train_files`` / ``data.val_files`` name prompt files (jsonl/parquet with the prompt,
+answer and data_source columns); left null, the synthetic arithmetic task of ``data.arithmetic`` is
+written under ``<trainer.output_dir>/data/`` once and reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from rlcore.protocol import DataProto
+from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
+from rlcore.trainer.config import to_plain
+from rlcore.trainer.dataset import PromptDataset, PromptLoader, collate_prompts
+
+ROLES = ("actor", "ref", "critic", "rollout")  # also the order in which they are initialised
+BACKENDS = ("ray", "local")
+
+
+@dataclass
+class Workers:
+    """Per-role views of one colocated worker group (absent roles are None)."""
+
+    group: WorkerGroup
+    actor: WorkerGroup | None = None
+    ref: WorkerGroup | None = None
+    critic: WorkerGroup | None = None
+    rollout: WorkerGroup | None = None
+    pool: Any = None  # the RayResourcePool of a Ray group
+    roles: list[str] = field(default_factory=list)
+
+    @property
+    def trained(self) -> dict[str, WorkerGroup]:
+        """Roles with weights that change, hence with checkpoints: actor and critic."""
+        return {r: getattr(self, r) for r in ("actor", "critic") if getattr(self, r) is not None}
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+        if self.pool is not None:
+            self.pool.shutdown()
+
+
+def _role_class(role: str, config: dict, classes: Mapping[str, type]) -> ClassWithInitArgs:
+    from rlcore.workers.actor import ActorWorker
+    from rlcore.workers.critic import CriticWorker
+    from rlcore.workers.rollout import RolloutWorker
+
+    if role in classes:
+        return ClassWithInitArgs(classes[role], config)
+    if role in ("actor", "ref"):
+        return ClassWithInitArgs(ActorWorker, config, role=role)
+    return ClassWithInitArgs({"critic": CriticWorker, "rollout": RolloutWorker}[role], config)
+
+
+def init_ray(cfg: DictConfig) -> None:
+    """Start a local Ray instance unless this process is already connected to one."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, configure_logging=False)
+
+
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name not in ("cpu", "cuda", "auto"):
+        raise ValueError(f"trainer.device must be 'cpu', 'cuda' or 'auto', got {name!r}")
+    return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+
+
+def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, type] | None = None) -> Workers:
+    """The colocated worker group of ``roles``, split per role, models initialised.
+
+    ``classes`` replaces the worker class of a role (e.g. an actor subclass with an extra method).
+    """
+    bad = [r for r in roles if r not in ROLES]
+    if bad or "actor" not in roles:
+        raise ValueError(f"roles must include 'actor' and come from {ROLES}, got {list(roles)}")
+    t = cfg.trainer
+    if t.backend not in BACKENDS:
+        raise ValueError(f"trainer.backend must be one of {BACKENDS}, got {t.backend!r}")
+    config = to_plain(cfg)
+    config["trainer"]["device"] = resolve_device(t.device)
+    colocated = create_colocated_worker_cls({r: _role_class(r, config, classes or {}) for r in roles})
+    pool = None
+    if t.backend == "local":
+        if t.nnodes * t.procs_per_node != 1:
+            raise ValueError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
+                             "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
+        group = LocalWorkerGroup(colocated)
+    else:
+        from rlcore.single_controller import RayResourcePool, RayWorkerGroup
+
+        init_ray(cfg)
+        pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=config["trainer"]["device"] == "cuda",
+                               num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}")
+        group = RayWorkerGroup(pool, colocated, name_prefix=t.project)
+    views = group.spawn(list(roles))
+    workers = Workers(group=group, pool=pool, roles=list(roles), **views)
+    for role in ROLES:  # the actor first: it joins torch.distributed, which the others then share
+        if role in views:
+            views[role].init_model()
+    return workers
+
+
+# ----------------------------------------------------------------------------- data
+def _arithmetic_files(cfg: DictConfig) -> tuple[str, str]:
+    """The arithmetic train/val split of ``data.arithmetic``, written once per setting."""
+    from rlcore.data.arithmetic import make_split, write_jsonl
+
+    spec = OmegaConf.to_container(cfg.data.arithmetic)
+    key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(cfg.trainer.output_dir) / "data" / f"arithmetic-{key}"
+    train, val = folder / "train.jsonl", folder / "val.jsonl"
+    if not (train.exists() and val.exists()):
+        rows_train, rows_val = make_split(spec["n_train"], spec["n_val"], spec["seed"], max_operand=spec["max_operand"],
+                                          ops=spec["ops"])
+        write_jsonl(train, rows_train)
+        write_jsonl(val, rows_val)
+    return str(train), str(val)
+
+
+def data_files(cfg: DictConfig) -> tuple[Any, Any]:
+    """(train files, val files) of a config: the given ones, or the arithmetic task's."""
+    d = cfg.data
+    if d.train_files is None:
+        if d.val_files is not None:
+            raise ValueError("data.val_files is set but data.train_files is not: give both, or neither for the "
+                             "built-in arithmetic task")
+        return _arithmetic_files(cfg)
+    if d.val_files is None:
+        raise ValueError("data.val_files is required when data.train_files is set")
+    return _listed(d.train_files), _listed(d.val_files)
+
+
+def _listed(files: Any) -> str | list[str]:
+    return files if isinstance(files, str) else [str(f) for f in files]
+
+
+def _dataset(cfg: DictConfig, files: Any, tokenizer: Any) -> PromptDataset:
+    d = cfg.data
+    return PromptDataset(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                         max_prompt_length=d.max_prompt_length, apply_chat_template=d.apply_chat_template)
+
+
+def prompts_to_proto(tensors: dict, non_tensors: dict, meta_info: dict | None = None) -> DataProto:
+    """A collated prompt batch as a DataProto, with ``uid`` (the row number) naming each prompt,
+    which the n samples of a prompt share after the rollout."""
+    n = len(tensors["input_ids"])
+    uid = np.array([str(i) for i in range(n)], dtype=object)
+    return DataProto.from_dict(tensors, {**non_tensors, "uid": uid}, meta_info or {})
+
+
+def build_data(cfg: DictConfig, tokenizer: Any) -> tuple[PromptLoader, list[DataProto]]:
+    """The resumable training loader (endless; the run length is ``trainer.total_steps``) and the
+    validation prompts as DataProto batches marked for greedy decoding."""
+    train_files, val_files = data_files(cfg)
+    d = cfg.data
+    loader = PromptLoader(_dataset(cfg, train_files, tokenizer), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+    val = _dataset(cfg, val_files, tokenizer)
+    size = d.val_batch_size or len(val)
+    batches = []
+    for start in range(0, len(val), size):
+        tensors, non_tensors = collate_prompts([val[i] for i in range(start, min(start + size, len(val)))],
+                                               loader.pad_token_id)
+        batches.append(prompts_to_proto(tensors, non_tensors, {"validate": True}))
+    return loader, batches
