@@ -1,10 +1,13 @@
 """Registry: named, pluggable functions (advantage estimators, policy losses, reward functions).
 
 A config names the function; a recipe or user module adds its own with ``@registry.register(name)``.
+A name of the form ``package.module:function`` is imported where it is looked up, which is what a
+Ray worker process needs: it never ran the recipe module that registered the function.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
@@ -29,9 +32,15 @@ class Registry(Generic[F]):
         return decorate
 
     def get(self, name: str) -> F:
-        if name not in self._entries:
-            raise ValueError(f"unknown {self.kind} {name!r}; known: {self.names()}")
-        return self._entries[name]
+        if name in self._entries:
+            return self._entries[name]
+        if ":" in name:
+            module, attr = name.rsplit(":", 1)
+            fn = getattr(importlib.import_module(module), attr, None)
+            if not callable(fn):
+                raise ValueError(f"{self.kind} {name!r}: module {module!r} has no callable {attr!r}")
+            return fn
+        raise ValueError(f"unknown {self.kind} {name!r}; known: {self.names()} or 'package.module:function'")
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries

@@ -100,6 +100,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # rewards = scores - coef * KL(pi_old || ref) per token
     kl_penalty: str = "kl"  # KL estimator of that penalty (core_algos.kl_penalty kinds)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    dpo_beta: float = 0.1  # online DPO: strength of the implicit KL to the reference
+    dpo_loss_type: str = "sigmoid"  # online DPO: "sigmoid" (DPO) or "ipo"
 
 
 @dataclass
