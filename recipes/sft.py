@@ -15,6 +15,7 @@ validation reward reaches ``warmstart.target_val_reward``; the result is cached 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
@@ -117,20 +118,25 @@ def warm_start(rl_cfg: DictConfig) -> str:
     cfg.data = rl_cfg.data
     cfg.trainer.total_steps = rl_cfg.warmstart.max_steps
     cfg.trainer.stop_at_val_reward = rl_cfg.warmstart.target_val_reward
-    key = hashlib.sha1(json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True).encode()).hexdigest()[:10]
+    what = OmegaConf.to_container(cfg, resolve=True)
+    what["trainer"] = {k: v for k, v in what["trainer"].items() if k not in placement}  # where, not what
+    key = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(rl_cfg.warmstart.dir).resolve() / key
     marker = folder / "warmstart.json"
-    if not marker.exists():
-        for k in placement:
-            cfg.trainer[k] = rl_cfg.trainer[k]
-        cfg.trainer.update(output_dir=str(folder), project="sft", run_name="run", save_freq=0, resume="disable")
-        start = time.perf_counter()
-        print(f"warm start: SFT of a tiny model until greedy val reward >= {cfg.trainer.stop_at_val_reward} -> {folder}")
-        shutil.rmtree(folder, ignore_errors=True)  # a build that died midway left no marker
-        run = train(cfg)
-        info = {"model_dir": str(run.dir / "hf"), "val_reward": run.last_val["val/reward_mean"],
-                "seconds": round(time.perf_counter() - start, 1)}
-        marker.write_text(json.dumps(info) + "\n")  # last: marks the warm start complete
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two recipes started together build it once
+        if not marker.exists():
+            for k in placement:
+                cfg.trainer[k] = rl_cfg.trainer[k]
+            cfg.trainer.update(output_dir=str(folder), project="sft", run_name="run", save_freq=0, resume="disable")
+            print(f"warm start: SFT of a tiny model until greedy val reward >= {cfg.trainer.stop_at_val_reward} -> {folder}")
+            shutil.rmtree(folder, ignore_errors=True)  # a build that died midway left no marker
+            start = time.perf_counter()
+            run = train(cfg)
+            info = {"model_dir": str(run.dir / "hf"), "val_reward": run.last_val["val/reward_mean"],
+                    "steps": run.last_step, "seconds": round(time.perf_counter() - start, 1)}
+            marker.write_text(json.dumps(info) + "\n")  # last: marks the warm start complete
     info = json.loads(marker.read_text())
     print(f"warm start: {info['model_dir']} (greedy val reward {info['val_reward']:.3f})", flush=True)
     return info["model_dir"]

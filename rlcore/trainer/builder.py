@@ -9,7 +9,8 @@ and never sees role prefixes. ``trainer.backend`` picks where the ranks live:
 - ``ray``: a ``RayResourcePool`` of ``trainer.nnodes x trainer.procs_per_node`` bundles (each
   ``trainer.cpus_per_proc`` CPUs, plus one GPU with ``trainer.device=cuda``), one Ray actor per rank.
   A local Ray instance is started when none is running (``trainer.ray_num_cpus`` CPUs).
-- ``local``: one rank in this process (notebooks, debugging, machines without Ray).
+- ``local``: one rank in this process (notebooks, debugging, machines without Ray), with
+  ``trainer.cpus_per_proc`` torch threads, as a Ray rank would have.
 
 Every worker receives the whole (plain) recipe config and reads the sections it owns.
 
@@ -37,6 +38,9 @@ from rlcore.trainer.dataset import PromptDataset, PromptLoader, collate_prompts
 
 ROLES = ("actor", "ref", "critic", "rollout")  # also the order in which they are initialised
 BACKENDS = ("ray", "local")
+# Ray forwards every worker's output to the driver's console, interleaved with the per-step line:
+# no per-load progress bars, no per-step vLLM info lines (warnings and errors still show).
+WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 @dataclass
@@ -109,6 +113,9 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
         if t.nnodes * t.procs_per_node != 1:
             raise ValueError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
                              "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
+        import torch
+
+        torch.set_num_threads(max(1, int(t.cpus_per_proc)))  # as many threads as a Ray rank would get
         group = LocalWorkerGroup(colocated)
     else:
         from rlcore.single_controller import RayResourcePool, RayWorkerGroup
@@ -116,7 +123,7 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
         init_ray(cfg)
         pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=config["trainer"]["device"] == "cuda",
                                num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}")
-        group = RayWorkerGroup(pool, colocated, name_prefix=t.project)
+        group = RayWorkerGroup(pool, colocated, name_prefix=t.project, env_vars=WORKER_ENV)
     views = group.spawn(list(roles))
     workers = Workers(group=group, pool=pool, roles=list(roles), **views)
     for role in ROLES:  # the actor first: it joins torch.distributed, which the others then share

@@ -65,6 +65,7 @@ class TrainingRun:
         self.timer = Timer()
         self.last_val: dict[str, float] = {}
         self.stopped = False
+        self.last_step = 0
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
@@ -87,6 +88,7 @@ class TrainingRun:
                 return
             self.timer.reset()
             self._step_start = time.perf_counter()
+            self.last_step = step
             yield step
 
     def next_prompts(self) -> DataProto:

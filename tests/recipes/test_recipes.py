@@ -82,7 +82,7 @@ def test_grpo_builds_its_warm_start_then_trains_on_ray(tmp_path, ray_cluster):
 
 def test_ppo_with_critic_and_kl_in_reward(tmp_path, tiny_model):
     cfg = config("ppo", tmp_path, f"model.path={tiny_model}", "trainer.backend=local", *COMMON_RL,
-                 "critic.ppo_micro_batch_size_per_gpu=8")
+                 "critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4")
     run = recipes.ppo.train(cfg)
     check_metrics(run, 2, RL_KEYS | {"critic/vf_loss", "critic/values/mean", "critic/returns/mean",
                                      "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"})
