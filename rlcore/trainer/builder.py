@@ -83,7 +83,8 @@ def init_ray(cfg: DictConfig) -> None:
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, configure_logging=False)
+        ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, configure_logging=False,
+                 runtime_env={"env_vars": WORKER_ENV})  # set before any import in the worker processes
 
 
 def resolve_device(name: str) -> str:
@@ -123,7 +124,7 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
         init_ray(cfg)
         pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=config["trainer"]["device"] == "cuda",
                                num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}")
-        group = RayWorkerGroup(pool, colocated, name_prefix=t.project, env_vars=WORKER_ENV)
+        group = RayWorkerGroup(pool, colocated, name_prefix=t.project)
     views = group.spawn(list(roles))
     workers = Workers(group=group, pool=pool, roles=list(roles), **views)
     for role in ROLES:  # the actor first: it joins torch.distributed, which the others then share
