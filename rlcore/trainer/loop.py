@@ -11,8 +11,7 @@ and does, around the recipe's own work:
   weights and optimizers, the rollout's copy of the weights, the loader position, the driver's RNG
   and every object the recipe registered in ``state`` (e.g. a KL controller). Rows an interrupted
   run logged after that checkpoint are dropped from metrics.jsonl, since those steps run again;
-- validation before training, every ``trainer.val_freq`` steps and after the last step, and an
-  early stop once ``val/reward_mean`` reaches ``trainer.stop_at_val_reward``;
+- validation before training, every ``trainer.val_freq`` steps and after the last step;
 - per-step timing (``timing_s/<stage>`` from ``with run.timer("stage")``), tokens per second, and a
   checkpoint every ``trainer.save_freq`` steps.
 """
@@ -64,8 +63,6 @@ class TrainingRun:
         self.ckpt_dir = self.dir / "checkpoints"
         self.timer = Timer()
         self.last_val: dict[str, float] = {}
-        self.stopped = False
-        self.last_step = 0
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
@@ -73,7 +70,7 @@ class TrainingRun:
         if self.start_step:
             truncate_jsonl_after(self.dir / "metrics.jsonl", self.start_step)
         self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir, config=cfg,
-                               console_keys=CONSOLE_KEYS)
+                               total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
         self._batches = iter(loader)
         self._step_start = time.perf_counter()
 
@@ -84,11 +81,8 @@ class TrainingRun:
         if self.start_step == 0 and t.val_before_train and t.val_freq:
             self.tracker.log(self.validate(), step=0)
         for step in range(self.start_step + 1, t.total_steps + 1):
-            if self.stopped:
-                return
             self.timer.reset()
             self._step_start = time.perf_counter()
-            self.last_step = step
             yield step
 
     def next_prompts(self) -> DataProto:
@@ -99,9 +93,6 @@ class TrainingRun:
     def validate(self) -> dict[str, float]:
         with self.timer("validate"):
             self.last_val = self._validate()
-        target = self.cfg.trainer.stop_at_val_reward
-        if target is not None and self.last_val["val/reward_mean"] >= target:
-            self.stopped = True
         return self.last_val
 
     def end_step(self, step: int, metrics: Mapping[str, float], batch: DataProto | None = None) -> None:

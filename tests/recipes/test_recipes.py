@@ -18,6 +18,7 @@ from hydra import compose, initialize_config_dir
 import recipes.grpo
 import recipes.ppo
 import recipes.sft
+from rlcore.data.arithmetic import make_split, write_jsonl
 from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.tracking import read_jsonl_metrics
@@ -67,7 +68,7 @@ def test_sft_trains_validates_and_exports(tmp_path, tiny_model):
 
 
 def test_grpo_builds_its_warm_start_then_trains_on_ray(tmp_path, ray_cluster):
-    warm = [f"warmstart.dir={tmp_path}/warm", "warmstart.max_steps=2", "warmstart.target_val_reward=1.0"]
+    warm = [f"warmstart.dir={tmp_path}/warm", "warmstart.steps=2"]
     cfg = config("grpo", tmp_path, "trainer.backend=ray", "trainer.cpus_per_proc=1", *COMMON_RL, *warm)
     run = recipes.grpo.train(cfg)
     check_metrics(run, 2, RL_KEYS | {"actor/kl_loss"})
@@ -80,10 +81,14 @@ def test_grpo_builds_its_warm_start_then_trains_on_ray(tmp_path, ray_cluster):
     assert marker.stat().st_mtime_ns == mtime  # reused, not rebuilt
 
 
-def test_ppo_with_critic_and_kl_in_reward(tmp_path, tiny_model):
-    cfg = config("ppo", tmp_path, f"model.path={tiny_model}", "trainer.backend=local", *COMMON_RL,
+def test_ppo_with_critic_and_kl_in_reward_on_given_data_files(tmp_path, tiny_model):
+    train, val = make_split(12, 4, seed=3, max_operand=9)
+    files = [f"data.train_files=[{write_jsonl(tmp_path / 'tr.jsonl', train)}]",
+             f"data.val_files={write_jsonl(tmp_path / 'va.jsonl', val)}", "reward.reward_fn=arithmetic"]
+    cfg = config("ppo", tmp_path, f"model.path={tiny_model}", "trainer.backend=local", *COMMON_RL, *files,
                  "critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4")
     run = recipes.ppo.train(cfg)
+    assert not (tmp_path / "data").exists()  # the given files, not the arithmetic task
     check_metrics(run, 2, RL_KEYS | {"critic/vf_loss", "critic/values/mean", "critic/returns/mean",
                                      "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"})
 
