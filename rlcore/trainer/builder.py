@@ -116,7 +116,9 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
                              "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
         import torch
 
-        torch.set_num_threads(max(1, int(t.cpus_per_proc)))  # as many threads as a Ray rank would get
+        # As many threads as a Ray rank would get. torch._C's builtin, because a vLLM CPU engine started
+        # earlier in this process replaces torch.set_num_threads with a no-op that only logs a warning.
+        torch._C.set_num_threads(max(1, int(t.cpus_per_proc)))
         group = LocalWorkerGroup(colocated)
     else:
         from rlcore.single_controller import RayResourcePool, RayWorkerGroup

@@ -55,9 +55,12 @@ def test_build_data_left_pads_names_prompts_and_splits_validation(tmp_path):
     assert TOK.decode(ids) == first and first.endswith("=")
 
 
-def test_build_workers_local_colocates_the_roles_in_this_process(tmp_path):
+def test_build_workers_local_colocates_the_roles_in_this_process(tmp_path, monkeypatch):
     model = build_tiny_model(tmp_path / "m", hidden_size=64, num_heads=2, num_kv_heads=1)
     threads = torch.get_num_threads()
+    torch._C.set_num_threads(2)
+    # What a vLLM CPU engine started earlier in this process does: torch.set_num_threads becomes a no-op.
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     workers = build_workers(cfg(tmp_path, model={"path": model}, trainer={"cpus_per_proc": 1}), ["actor", "rollout"])
     try:
         assert workers.ref is None and workers.critic is None and set(workers.trained) == {"actor"}
@@ -70,4 +73,4 @@ def test_build_workers_local_colocates_the_roles_in_this_process(tmp_path):
             build_workers(cfg(tmp_path, model={"path": model}, trainer={"procs_per_node": 2}), ["actor"])
     finally:
         workers.shutdown()
-        torch.set_num_threads(threads)
+        torch._C.set_num_threads(threads)  # the builtin: an earlier vLLM engine may have patched the wrapper
