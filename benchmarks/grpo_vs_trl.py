@@ -2,11 +2,14 @@
 
     pip install "trl==1.16.0"        # not a dependency of rlcore; only this benchmark needs it
     python benchmarks/grpo_vs_trl.py --preset small --prompts 32 --n 8 --new-tokens 128 --steps 4
+    python benchmarks/grpo_vs_trl.py --model <warm start>/hf --prompts 64 --n 8 --new-tokens 8 \
+        --steps 40 --lr 2e-4 --micro-batch 512 --free-length      # reward curves of both
 
 Both sides sample prompts x n completions of exactly ``--new-tokens`` tokens (eos ignored, so both
 generate the same number of tokens), score them with the same arithmetic reward, compute GRPO
-advantages and take one optimizer step on all completions (one mini-batch), then the next step
-uses the updated policy:
+advantages (group mean and std) and take one optimizer step on all completions (one mini-batch,
+token-mean loss, constant lr, no weight decay), then the next step uses the updated policy.
+``--free-length`` lets both stop at eos instead, to compare reward curves from a warm start:
 
   rlcore  the hybrid engine in one process: ``RolloutWorker`` (vLLM, bf16 sampling) colocated with
           ``ActorWorker`` (fp32 training), weights synced in memory after each update
@@ -14,8 +17,8 @@ uses the updated policy:
 
 Each side runs in its own subprocess (vLLM changes process-wide torch settings). The first step is
 warm-up; the report is the median of the others, the ratio TRL / rlcore (above 1: rlcore faster),
-and the mean reward per step of both (a random-init model scores ~0 on both sides; the point of
-the reward columns is that neither side does something else).
+and the mean reward per 5 steps of both (a random-init model scores ~0 on both sides; from a warm
+start with ``--free-length`` the two curves should rise alike).
 """
 
 from __future__ import annotations
@@ -47,14 +50,14 @@ def run_rlcore(args) -> dict:
     from rlcore.workers.reward import RuleRewardManager
     from rlcore.workers.rollout import RolloutWorker
 
-    threads = torch.get_num_threads()
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = args.prompts * args.n
     config = {
         "model": {"path": args.model},
         "rollout": {"backend": "vllm", "dtype": "bfloat16", "n": args.n, "max_new_tokens": args.new_tokens,
-                    "ignore_eos": True, "kv_cache_memory_bytes": 1 << 30},
-        "actor": {"lr": 1e-5, "ppo_mini_batch_size": rows, "ppo_micro_batch_size_per_gpu": args.micro_batch},
+                    "ignore_eos": not args.free_length, "kv_cache_memory_bytes": 1 << 30},
+        "actor": {"lr": args.lr, "weight_decay": 0.0, "ppo_mini_batch_size": rows,
+                  "ppo_micro_batch_size_per_gpu": args.micro_batch},
     }
     group = LocalWorkerGroup(create_colocated_worker_cls({
         "actor": ClassWithInitArgs(ActorWorker, config), "rollout": ClassWithInitArgs(RolloutWorker, config)}))
@@ -62,8 +65,8 @@ def run_rlcore(args) -> dict:
     actor, rollout = roles["actor"], roles["rollout"]
     actor.init_model()
     rollout.init_model()
-    # vLLM lowers the process's torch threads to 1 (multi-threaded ops spin-wait badly under load);
-    # the actor's training then runs single-threaded too. Reported below as torch_threads.
+    # The colocated actor trains with the threads this process has once vLLM is up (reported as
+    # torch_threads; measured 2 on the 2-core CPU machine: vLLM's CPU worker leaves them as they are).
     threads = torch.get_num_threads()
     reward = RuleRewardManager(tok, "arithmetic", num_workers=0)
     examples = make_prompts(args.prompts)
@@ -83,7 +86,8 @@ def run_rlcore(args) -> dict:
         rollout.sync_weights()
         step_times.append(time.perf_counter() - start)
         rewards.append(float(batch.batch["reward_scores"].mean()))
-    assert len(batch) == rows and int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
+    assert len(batch) == rows
+    assert args.free_length or int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
     return {"step_s": step_times, "reward": rewards, "torch_threads": threads}
 
 
@@ -115,8 +119,9 @@ def run_trl(args) -> dict:
     data = Dataset.from_list([{"prompt": e["prompt"], "answer": e["answer"]} for e in make_prompts(args.prompts)])
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=rows, num_generations=args.n,
-        max_completion_length=args.new_tokens, generation_kwargs={"min_new_tokens": args.new_tokens},
-        learning_rate=1e-5, beta=0.0, use_cpu=True, bf16=False, max_steps=args.steps, logging_steps=1,
+        max_completion_length=args.new_tokens,
+        generation_kwargs={} if args.free_length else {"min_new_tokens": args.new_tokens},
+        learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0, use_cpu=True, bf16=False, max_steps=args.steps, logging_steps=1,
         save_strategy="no", report_to="none", shuffle_dataset=False, seed=0,
     )
     timer = StepTimer()
@@ -126,7 +131,7 @@ def run_trl(args) -> dict:
     logs = trainer.state.log_history
     rewards = [h["reward"] for h in logs if "reward" in h]
     lengths = [h["completions/mean_length"] for h in logs if "completions/mean_length" in h]
-    assert lengths and all(abs(n - args.new_tokens) < 1e-6 for n in lengths), f"TRL completion lengths {lengths}"
+    assert args.free_length or all(abs(n - args.new_tokens) < 1e-6 for n in lengths), f"TRL lengths {lengths}"
     return {"step_s": timer.times, "reward": rewards, "torch_threads": torch.get_num_threads()}
 
 
@@ -138,8 +143,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--model", help="an HF directory (default: a fresh tiny model of --preset)")
+    parser.add_argument("--free-length", action="store_true",
+                        help="stop at eos instead of forcing --new-tokens tokens (for reward curves)")
     parser.add_argument("--side", choices=["rlcore", "trl"], help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.side:
@@ -149,23 +157,28 @@ def main() -> None:
 
     from rlcore.models.tiny import build_tiny_model
 
-    args.model = build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
+    args.model = args.model or build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
     results = {}
     for side in ("rlcore", "trl"):
-        cmd = [sys.executable, __file__, "--side", side, "--model", args.model] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("side", "model")]
+        cmd = [sys.executable, __file__, "--side", side] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("side", "free_length")]
+        cmd += ["--free-length"] if args.free_length else []
         proc = subprocess.run(cmd, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
             sys.exit(f"{side} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         results[side] = json.loads(lines[-1][len("RESULT "):])
     ours, trl = (statistics.median(results[s]["step_s"][1:]) for s in ("rlcore", "trl"))
-    print(f"{args.preset} model, {args.prompts} prompts x {args.n} samples x {args.new_tokens} tokens, "
-          f"median of steps 2..{args.steps}")
-    print(f"rlcore step {ours:.1f} s | TRL step {trl:.1f} s | TRL / rlcore = {trl / ours:.2f}")
+    length = "up to" if args.free_length else "exactly"
+    print(f"model {args.model}, {args.prompts} prompts x {args.n} samples x {length} {args.new_tokens} tokens, "
+          f"lr {args.lr}, median of steps 2..{args.steps}")
+    print(f"rlcore step {ours:.2f} s | TRL step {trl:.2f} s | TRL / rlcore = {trl / ours:.2f}")
     for side in ("rlcore", "trl"):
-        print(f"  {side:6s} step times {[round(t, 1) for t in results[side]['step_s']]}  "
-              f"reward {[round(r, 3) for r in results[side]['reward']]}")
+        r = results[side]
+        blocks = [round(statistics.mean(r["reward"][i:i + 5]), 3) for i in range(0, len(r["reward"]), 5)]
+        print(f"  {side:6s} torch threads {r['torch_threads']}, step times {[round(t, 1) for t in r['step_s'][:10]]}"
+              f"{' ...' if len(r['step_s']) > 10 else ''}")
+        print(f"  {side:6s} mean reward per 5 steps {blocks}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     python benchmarks/rollout.py --preset small --prompts 256 --new-tokens 128
 
 Every backend runs through ``RolloutWorker`` (the code path recipes use) in a fresh subprocess: vLLM
-lowers the torch thread count of the process it lives in, which would slow whatever ran next.
+changes process-wide torch settings (on CPU it turns ``torch.set_num_threads`` into a no-op; its GPU
+worker sets torch to 1 thread), which would bias whatever ran next.
 Generation samples at temperature 1 with ``ignore_eos``, so every backend produces exactly
 prompts x new-tokens tokens. Each engine is warmed up with one small batch before timing.
 
