@@ -8,7 +8,8 @@ colocated in one process per rank (the hybrid engine).
 Per step, for a batch of prompts:
     sample rollout.n responses per prompt from the current policy          generate
     score each response with the rule reward (on its last token)           reward
-    log-probs of the responses under the sampling policy, and the ref      old / ref log-probs
+    log-probs of the responses under the current policy, and the ref       old / ref log-probs
+      (old ones only when the update takes several optimizer steps: see needs_old_log_prob)
     advantage = (score - mean of its prompt's group) / std of that group   advantages
     clipped policy-gradient step with a KL(pi || ref) loss term            update
     the rollout engine loads the new weights                               sync
@@ -22,7 +23,7 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from recipes.sft import warm_start
-from rlcore.trainer.advantage import compute_advantage, compute_rewards
+from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
@@ -40,6 +41,7 @@ def train(cfg: DictConfig) -> TrainingRun:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     loader, val_batches = build_data(cfg, tokenizer)
     use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    use_old = needs_old_log_prob(cfg)  # not for a one-step update: its own log-probs are the old ones
     workers = build_workers(cfg, ["actor", "rollout"] + (["ref"] if use_ref else []))
     reward_fn = RuleRewardManager.from_config(cfg)
     run = TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn))
@@ -50,8 +52,9 @@ def train(cfg: DictConfig) -> TrainingRun:
                 batch = workers.rollout.generate_sequences(prompts)
             with run.timer("reward"):
                 batch.union(reward_fn(batch))
-            with run.timer("old_log_prob"):
-                batch.union(workers.actor.compute_log_prob(batch))
+            if use_old:
+                with run.timer("old_log_prob"):
+                    batch.union(workers.actor.compute_log_prob(batch))
             if use_ref:
                 with run.timer("ref"):
                     batch.union(workers.ref.compute_ref_log_prob(batch))

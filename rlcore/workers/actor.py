@@ -43,7 +43,8 @@ Config: an OmegaConf DictConfig or a plain dict with sections ``model`` and ``ac
     actor.rollout_is_level              "token"        "token" or "sequence" weights
 
 Data read: input_ids, attention_mask, position_ids, responses (every method); response_mask,
-old_log_probs, advantages (update_policy), plus ref_log_prob / rollout_log_probs when enabled.
+old_log_probs (optional for a single-step update), advantages (update_policy), plus ref_log_prob /
+rollout_log_probs when enabled.
 ``meta_info["temperature"]`` (default 1.0) divides the logits, as the sampler did, so that
 log-probs describe the distribution the responses were drawn from.
 
@@ -172,16 +173,35 @@ class ActorWorker(FSDPTrainWorker):
     # ------------------------------------------------------------------ update
     @register(Dispatch.DP_COMPUTE_METRIC)
     def update_policy(self, data: DataProto) -> dict[str, float]:
-        """PPO epochs over mini-batches of this rank's rows; returns means of the ``actor/*`` metrics."""
+        """PPO epochs over mini-batches of this rank's rows; returns means of the ``actor/*`` metrics.
+
+        ``old_log_probs`` may be left out when the update is a single optimizer step (``ppo_epochs``
+        1, one mini-batch): the weights are then still the ones the batch was scored against, so the
+        update's own log-probs, detached, are exactly the old ones, and ``compute_log_prob`` (a
+        whole forward pass) can be skipped. With more steps the policy moves between them, and
+        the old log-probs must come from before the first.
+        """
         cfg = self.train_cfg
         # A loss that reads the micro-batch itself (e.g. DPO) decides which keys it needs.
-        keys = INPUT_KEYS + ["response_mask"] + ([] if self.loss_takes_data else ["old_log_probs", "advantages"])
+        keys = INPUT_KEYS + ["response_mask"] + ([] if self.loss_takes_data else ["advantages"])
+        if not self.loss_takes_data and ("old_log_probs" in data.batch.keys() or not self._single_step(len(data))):
+            keys.append("old_log_probs")
         if cfg.use_kl_loss:
             keys.append("ref_log_prob")
         if cfg.use_rollout_is:
             keys.append("rollout_log_probs")
-        selected = data.select(batch_keys=keys)  # a missing key is a KeyError naming it
+        try:
+            selected = data.select(batch_keys=keys)
+        except KeyError as e:
+            hint = (" (it may be left out only when the update is one optimizer step: ppo_epochs=1 and "
+                    "ppo_mini_batch_size null or the whole batch)") if "old_log_probs" in str(e) else ""
+            raise KeyError(f"update_policy: {e.args[0]}{hint}") from None
         return self.run_updates(data if self.loss_takes_data else selected, self._loss, prefix="actor")
+
+    def _single_step(self, rows: int) -> bool:
+        """Whether updating on ``rows`` rows of this rank takes exactly one optimizer step."""
+        cfg = self.train_cfg
+        return cfg.ppo_epochs == 1 and cfg.ppo_mini_batch_size in (None, rows * self.world_size)
 
     def _loss(self, micro: DataProto, **counts) -> tuple[torch.Tensor, dict[str, float]]:
         """This micro-batch's share of the mini-batch loss; ``counts`` are the global
@@ -189,15 +209,17 @@ class ActorWorker(FSDPTrainWorker):
         cfg, b = self.train_cfg, micro.batch
         mask = b["response_mask"]
         log_prob, logits = self._forward(micro)
+        # No old_log_probs: a single-step update (see update_policy), whose own log-probs are the old ones.
+        old_log_prob = b["old_log_probs"] if "old_log_probs" in b.keys() else log_prob.detach()
         metrics: dict[str, float] = {}
         is_weights = None
         if cfg.use_rollout_is:
             is_weights, is_metrics = compute_is_weights(
-                b["old_log_probs"], b["rollout_log_probs"], mask, cap=cfg.rollout_is_cap, level=cfg.rollout_is_level
+                old_log_prob, b["rollout_log_probs"], mask, cap=cfg.rollout_is_cap, level=cfg.rollout_is_level
             )
             metrics.update(is_metrics)
         loss, pg_metrics = self.policy_loss_fn(
-            log_prob, b.get("old_log_probs", None), b.get("advantages", None), mask,
+            log_prob, old_log_prob, b.get("advantages", None), mask,
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode, is_weights=is_weights, **counts,
             **({"data": micro} if self.loss_takes_data else {}),

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 
 from rlcore.protocol import DataProto
-from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards
+from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.config import AlgorithmConfig
 from rlcore.trainer.core_algos import AdaptiveKLController, register_advantage_estimator
 
@@ -82,3 +82,16 @@ def test_a_registered_estimator_gets_what_it_asks_for_by_name():
     compute_advantage(data, algo(adv_estimator="test_advantage_spy", gamma=0.5))
     assert seen == {"index": ["p"], "gamma": 0.5}
     assert data.batch["advantages"].tolist() == [[0.0, 6.0]]
+
+
+@pytest.mark.parametrize("actor, use_kl_in_reward, needed", [
+    ({"ppo_epochs": 1, "ppo_mini_batch_size": None}, False, False),  # one step on the whole batch
+    ({"ppo_epochs": 1, "ppo_mini_batch_size": 32}, False, False),  # 4 prompts x 8: still the whole batch
+    ({"ppo_epochs": 1, "ppo_mini_batch_size": 16}, False, True),  # two steps
+    ({"ppo_epochs": 2, "ppo_mini_batch_size": None}, False, True),
+    ({"ppo_epochs": 1, "ppo_mini_batch_size": None}, True, True),  # the KL penalty reads them
+])
+def test_old_log_probs_are_needed_unless_the_update_is_one_step(actor, use_kl_in_reward, needed):
+    cfg = OmegaConf.create({"actor": actor, "data": {"train_batch_size": 4}, "rollout": {"n": 8},
+                            "algorithm": {"use_kl_in_reward": use_kl_in_reward}})
+    assert needs_old_log_prob(cfg) is needed

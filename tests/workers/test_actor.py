@@ -145,6 +145,28 @@ def test_update_raises_log_probs_of_positive_advantage_tokens(actor_group, make_
     assert metrics[0]["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)  # one optimizer step per call: on-policy
 
 
+def test_single_step_update_may_leave_out_old_log_probs(tiny_model_dir, make_batch):
+    """One optimizer step per batch: the update's own detached log-probs serve as the old ones, with
+    the same parameters and metrics as after compute_log_prob; with two steps they are required."""
+    cfg = actor_config(tiny_model_dir, use_rollout_is=True)
+    groups = [LocalWorkerGroup(ClassWithInitArgs(ActorWorker, cfg), 1) for _ in range(2)]
+    for wg in groups:
+        wg.init_model()
+    data = make_batch(seed=2)
+    data.batch["rollout_log_probs"] = with_old_log_probs(groups[0], make_batch(seed=2)).batch["old_log_probs"] - 0.1
+    with_old = with_old_log_probs(groups[0], data.select(batch_keys=list(data.batch.keys())))
+    metrics = [wg.update_policy(d)[0] for wg, d in zip(groups, (with_old, data))]
+    assert metrics[1] == pytest.approx(metrics[0], rel=1e-6, abs=1e-7)
+    assert metrics[1]["actor/is/weight_mean"] == pytest.approx(math.exp(0.1), rel=1e-5)
+    for a, b in zip(groups[0].worker(0).module.parameters(), groups[1].worker(0).module.parameters()):
+        torch.testing.assert_close(b.full_tensor(), a.full_tensor(), rtol=0, atol=1e-7)
+
+    two_steps = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir, ppo_epochs=2)), 1)
+    two_steps.init_model()
+    with pytest.raises(WorkerError, match="old_log_probs.*ppo_epochs=1"):
+        two_steps.update_policy(data)
+
+
 def test_dynamic_batch_size_gives_the_same_results(tiny_model_dir, make_batch):
     groups = [LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir, **kw)), 1)
               for kw in ({"ppo_micro_batch_size_per_gpu": 3}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 12})]
