@@ -77,8 +77,7 @@ def run_rlcore(args) -> dict:
     for _ in range(args.steps):
         start = time.perf_counter()
         batch = rollout.generate_sequences(DataProto.from_dict(tensors, non_tensors))
-        batch.union(reward(batch))
-        batch.union(actor.compute_log_prob(batch))
+        batch.union(reward(batch))  # no compute_log_prob: one optimizer step per batch, as in recipes/grpo.py
         adv, _ = compute_grpo_outcome_advantage(batch.batch["token_level_scores"], batch.batch["response_mask"],
                                                 batch.non_tensor_batch["uid"])
         batch.batch["advantages"] = adv
