@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from rlcore.agentic.env import Env
+from rlcore.agentic.router import SessionRouter
 from rlcore.protocol import DataProto
 from rlcore.trainer.dataset import collate_prompts
 from rlcore.workers.rollout.base import Generation, SamplingSettings
@@ -42,6 +43,7 @@ class _Episode:
     log_probs: list[float] = dataclasses.field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
+    engine: int = 0  # the router's engine that took its turns
     done: bool = False
     truncated: bool = False
 
@@ -57,23 +59,31 @@ class _Episode:
 class MultiTurnRollout:
     """Run episodes of ``env_factory()`` envs against a rollout engine.
 
-    ``engine``: a rollout backend (``HFRollout``, ``VLLMRollout``: anything with ``.generate``) or
-    a plain function with the same signature, ``(input_ids, attention_mask, position_ids,
-    settings) -> Generation`` on left-padded contexts. ``settings.n`` must be 1: for several
-    samples of one task, repeat the task.
+    ``engine``: a rollout backend (``HFRollout``, ``VLLMRollout``: anything with ``.generate``), a
+    plain function with the same signature, ``(input_ids, attention_mask, position_ids,
+    settings) -> Generation`` on left-padded contexts, or a ``SessionRouter`` over several
+    engines: each episode is then a session whose every turn runs on one engine (prefix-cache
+    reuse), the engines working on their episodes at the same time; the row's engine is in the
+    ``engine`` column. ``settings.n`` must be 1: for several samples of one task, repeat the task.
     """
 
     def __init__(self, engine: Any, tokenizer, env_factory: Callable[[], Env], max_turns: int,
                  max_total_tokens: int, settings: SamplingSettings) -> None:
-        generate = getattr(engine, "generate", engine)
-        if not callable(generate):
-            raise TypeError(f"engine must be a rollout backend or a generate function, got {type(engine).__name__}")
+        if not isinstance(engine, SessionRouter):
+            generate = getattr(engine, "generate", engine)
+            if not callable(generate):
+                raise TypeError(f"engine must be a rollout backend, a generate function or a SessionRouter, "
+                                f"got {type(engine).__name__}")
         if max_turns < 1 or max_total_tokens < 2:
             raise ValueError(f"need max_turns >= 1 and max_total_tokens >= 2, got {max_turns}, {max_total_tokens}")
         if settings.n != 1:
             raise ValueError(f"MultiTurnRollout samples one episode per task (settings.n=1), got n={settings.n}")
-        self.generate: GenerateFn = generate
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if isinstance(engine, SessionRouter):
+            self.router = engine
+        else:  # one engine: a router of one, which fails as the engine does
+            self.router = SessionRouter([_Engine(generate, self.pad_token_id)], failover=False)
+        self._runs = 0
         self.env_factory, self.max_turns, self.max_total_tokens, self.settings = (
             env_factory, max_turns, max_total_tokens, settings)
 
@@ -86,38 +96,43 @@ class MultiTurnRollout:
             raise ValueError(f"got {len(seeds)} seeds for {len(tasks)} tasks")
         envs = [self.env_factory() for _ in tasks]
         episodes = [_Episode(list(env.reset(seed=s, **t))) for env, s, t in zip(envs, seeds, tasks)]
+        self._runs += 1
+        sessions = [(id(self), self._runs, i) for i in range(len(episodes))]
         for i, ep in enumerate(episodes):
             if not 0 < len(ep.prompt) < self.max_total_tokens:
                 raise ValueError(f"episode {i}: initial observation has {len(ep.prompt)} tokens; it needs 1 to "
                                  f"max_total_tokens - 1 = {self.max_total_tokens - 1}")
         gen_time = 0.0
-        for _ in range(self.max_turns):
-            alive = [i for i, ep in enumerate(episodes) if not (ep.done or ep.truncated)]
-            if not alive:
-                break
-            start = time.perf_counter()
-            actions = self._generate_turn([episodes[i] for i in alive])
-            gen_time += time.perf_counter() - start
-            for i, (tokens, log_probs) in zip(alive, actions):
-                self._take_turn(episodes[i], envs[i], tokens, log_probs)
+        try:
+            for _ in range(self.max_turns):
+                alive = [i for i, ep in enumerate(episodes) if not (ep.done or ep.truncated)]
+                if not alive:
+                    break
+                start = time.perf_counter()
+                actions = self._generate_turn([episodes[i] for i in alive], [sessions[i] for i in alive])
+                gen_time += time.perf_counter() - start
+                for i, (tokens, log_probs) in zip(alive, actions):
+                    self._take_turn(episodes[i], envs[i], tokens, log_probs)
+        finally:
+            live = self.router.sessions
+            for session in sessions:  # over: the engines' load drops
+                if session in live:
+                    self.router.release(session)
         for ep in episodes:
             ep.truncated = ep.truncated or not ep.done  # ran out of max_turns
         return self._to_dataproto(episodes, gen_time)
 
-    def _generate_turn(self, episodes: list[_Episode]) -> list[tuple[list[int], list[float]]]:
-        contexts = [{"input_ids": torch.tensor(ep.prompt + ep.tokens)} for ep in episodes]
+    def _generate_turn(self, episodes: list[_Episode], sessions: list) -> list[tuple[list[int], list[float]]]:
         budgets = [min(self.settings.max_new_tokens, self.max_total_tokens - len(ep)) for ep in episodes]
-        batch, _ = collate_prompts(contexts, self.pad_token_id)
         settings = dataclasses.replace(self.settings, max_new_tokens=max(budgets))
-        gen = self.generate(batch["input_ids"], batch["attention_mask"], batch["position_ids"], settings)
-        if gen.responses.shape[0] != len(episodes):
-            raise RuntimeError(f"generate returned {gen.responses.shape[0]} rows for {len(episodes)} contexts")
+        turns = self.router.generate_batch(sessions, [ep.prompt + ep.tokens for ep in episodes], settings)
         out = []
-        for row, budget in enumerate(budgets):
-            n = min(int(gen.lengths[row]), budget)
+        for row, (ep, turn, budget) in enumerate(zip(episodes, turns, budgets)):
+            n = min(len(turn.token_ids), budget)
             if n < 1:
-                raise RuntimeError(f"generate returned an empty turn (length {int(gen.lengths[row])}) for row {row}")
-            out.append((gen.responses[row, :n].tolist(), gen.log_probs[row, :n].float().tolist()))
+                raise RuntimeError(f"generate returned an empty turn (length {len(turn.token_ids)}) for row {row}")
+            ep.engine = turn.engine
+            out.append((turn.token_ids[:n], turn.log_probs[:n]))
         return out
 
     def _take_turn(self, ep: _Episode, env: Env, tokens: list[int], log_probs: list[float]) -> None:
@@ -164,6 +179,7 @@ class MultiTurnRollout:
             },
             non_tensors={
                 "num_turns": np.array([ep.turns for ep in episodes], dtype=np.int64),
+                "engine": np.array([ep.engine for ep in episodes], dtype=np.int64),
                 "truncated": np.array([ep.truncated for ep in episodes], dtype=bool),
             },
             meta_info={
@@ -173,3 +189,10 @@ class MultiTurnRollout:
                 "rollout/num_generated_tokens": int(response_mask.sum()),
             },
         )
+
+
+class _Engine:
+    """A generate function as a router engine (with the pad id its batches are padded with)."""
+
+    def __init__(self, generate: GenerateFn, pad_token_id: int) -> None:
+        self.generate, self.pad_token_id = generate, pad_token_id

@@ -7,6 +7,10 @@ another engine would start from scratch. New sessions go to the engine with the 
 sessions ("least_loaded") or in turn ("round_robin"). When an engine is removed (it failed, or
 is being drained) its sessions are re-homed at once; they lose their cache, not their place.
 
+``generate`` takes one turn of one session; ``generate_batch`` one turn of many (what
+``MultiTurnRollout`` calls when handed a router): each engine continues its sessions as one batch,
+the engines at the same time.
+
 An engine is anything with a rollout backend's ``generate(input_ids, attention_mask,
 position_ids, settings) -> Generation`` (``HFRollout``, ``VLLMRollout``). The HF backend keeps no
 cache between calls, so with it stickiness only decides where work runs. Calls on one engine are
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import torch
@@ -57,6 +62,12 @@ class SessionRouter:
         self._engine_locks = {i: threading.Lock() for i in self.engines}
         self._cursor = 0  # round robin: the next engine index to try
         self._lock = threading.Lock()
+
+    @property
+    def sessions(self) -> dict[Hashable, int]:
+        """Live sessions and their engines."""
+        with self._lock:
+            return dict(self._sessions)
 
     @property
     def load(self) -> dict[int, int]:
@@ -110,29 +121,78 @@ class SessionRouter:
 
     def generate(self, session_id: Hashable, prompt_token_ids: Sequence[int], settings: SamplingSettings) -> TurnOutput:
         """One turn of ``session_id``: the engine's continuation of the full context ``prompt_token_ids``."""
-        ids = [int(t) for t in prompt_token_ids]
-        if not ids:
-            raise ValueError(f"session {session_id!r}: prompt_token_ids is empty")
-        input_ids = torch.tensor([ids])
-        mask = torch.ones_like(input_ids)
-        positions = torch.arange(len(ids)).unsqueeze(0)
-        while True:
-            index = self.route(session_id)
-            engine = self.engines.get(index)
-            if engine is None:  # removed by another thread since route(); the session was re-homed
-                continue
-            try:
-                with self._engine_locks[index]:
-                    gen = engine.generate(input_ids, mask, positions, settings)
-            except Exception as exc:
-                if not self.failover:
-                    raise
-                with self._lock:
-                    self.failures.append((index, repr(exc)))
-                    if index in self.engines:
-                        self._remove(index)
-                    if not self.engines:
-                        raise RuntimeError(f"every rollout engine failed; the last ({index}) with {exc!r}") from exc
-                continue
-            n = int(gen.lengths[0])
-            return TurnOutput(gen.responses[0, :n].tolist(), gen.log_probs[0, :n].float().tolist(), index)
+        return self.generate_batch([session_id], [prompt_token_ids], settings)[0]
+
+    def generate_batch(self, session_ids: Sequence[Hashable], contexts: Sequence[Sequence[int]],
+                       settings: SamplingSettings) -> list[TurnOutput]:
+        """One turn of several sessions, in their order. The sessions of one engine go to it as one
+        left-padded batch; different engines work at the same time (a thread each). With failover,
+        the sessions of an engine that raises are re-homed and their turn is run again there."""
+        if len(session_ids) != len(contexts):
+            raise ValueError(f"got {len(contexts)} contexts for {len(session_ids)} sessions")
+        if len(set(session_ids)) != len(session_ids):
+            raise ValueError("a session may take one turn per call; session_ids has duplicates")
+        for session_id, ids in zip(session_ids, contexts):
+            if not len(ids):
+                raise ValueError(f"session {session_id!r}: prompt_token_ids is empty")
+        results: list[TurnOutput | None] = [None] * len(contexts)
+        pending = list(range(len(contexts)))
+        while pending:
+            groups: dict[int, list[int]] = {}
+            for row in pending:
+                groups.setdefault(self.route(session_ids[row]), []).append(row)
+            calls = {index: [contexts[row] for row in rows] for index, rows in groups.items()}
+            if len(calls) == 1:
+                outcomes = {index: self._call(index, batch, settings) for index, batch in calls.items()}
+            else:
+                with ThreadPoolExecutor(len(calls)) as pool:
+                    futures = {index: pool.submit(self._call, index, batch, settings) for index, batch in calls.items()}
+                outcomes = {index: future.result() for index, future in futures.items()}
+            pending = []
+            for index, outcome in outcomes.items():
+                if outcome is None:  # the engine was removed meanwhile: its sessions are re-homed
+                    pending += groups[index]
+                    continue
+                if isinstance(outcome, Exception):
+                    self._fail(index, outcome)
+                    pending += groups[index]
+                    continue
+                for row, turn in zip(groups[index], outcome):
+                    results[row] = turn
+        return results  # type: ignore[return-value]
+
+    def _call(self, index: int, contexts: list[Sequence[int]],
+              settings: SamplingSettings) -> list[TurnOutput] | Exception | None:
+        """Engine ``index`` continues ``contexts``; an engine's exception is returned, not raised;
+        None if the engine was removed (by another thread) since the sessions were routed."""
+        engine = self.engines.get(index)
+        if engine is None:
+            return None
+        width = max(len(ids) for ids in contexts)
+        input_ids = torch.full((len(contexts), width), getattr(engine, "pad_token_id", 0) or 0, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(contexts):
+            input_ids[row, width - len(ids):] = torch.tensor([int(t) for t in ids])
+            mask[row, width - len(ids):] = 1
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        try:
+            with self._engine_locks[index]:
+                gen = engine.generate(input_ids, mask, positions, settings)
+        except Exception as exc:  # noqa: BLE001 - the caller fails over or re-raises it
+            return exc
+        if gen.responses.shape[0] != len(contexts):
+            return RuntimeError(f"engine {index} returned {gen.responses.shape[0]} rows for {len(contexts)} contexts")
+        lengths = [int(n) for n in gen.lengths]
+        return [TurnOutput(gen.responses[row, :n].tolist(), gen.log_probs[row, :n].float().tolist(), index)
+                for row, n in enumerate(lengths)]
+
+    def _fail(self, index: int, exc: Exception) -> None:
+        """Engine ``index`` raised ``exc``: re-raise it, or (failover) take the engine out."""
+        if not self.failover:
+            raise exc
+        with self._lock:
+            self.failures.append((index, repr(exc)))
+            if index in self.engines:
+                self._remove(index)
+            if not self.engines:
+                raise RuntimeError(f"every rollout engine failed; the last ({index}) with {exc!r}") from exc

@@ -1,11 +1,13 @@
 """SessionRouter: stickiness, balance, release, removal and failover; two real HF engines end to end."""
 
+import functools
 import threading
 
 import pytest
 import torch
 
 from rlcore.agentic.env import GuessNumberEnv
+from rlcore.agentic.multi_turn import MultiTurnRollout
 from rlcore.agentic.router import SessionRouter
 from rlcore.models.tiny import build_tiny_model
 from rlcore.workers.rollout.base import Generation, ModelConfig, RolloutConfig, SamplingSettings
@@ -14,21 +16,31 @@ from rlcore.workers.rollout.hf_rollout import HFRollout
 GREEDY = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5, n=1, do_sample=False)
 
 
+def unpadded(input_ids, attention_mask, position_ids):
+    """The rows of a left-padded batch, checking that positions count from 0 at each row's first token."""
+    rows = []
+    for ids, mask, positions in zip(input_ids, attention_mask.bool(), position_ids):
+        assert not mask[: int((~mask).sum())].any()  # padding on the left only
+        assert positions[mask].tolist() == list(range(int(mask.sum())))
+        rows.append(ids[mask].tolist())
+    return rows
+
+
 class FakeEngine:
-    """Answers token ``tag`` three times, log-prob -tag; records every context; can be made to fail."""
+    """Answers token ``tag`` three times, log-prob -tag, on every row; records every context and the
+    rows of each call; can be made to fail."""
 
     def __init__(self, tag, fail=False):
-        self.tag, self.fail, self.contexts = tag, fail, []
+        self.tag, self.fail, self.contexts, self.calls = tag, fail, [], []
 
     def generate(self, input_ids, attention_mask, position_ids, settings):
-        assert input_ids.shape[0] == 1 and attention_mask.all()
-        assert position_ids[0].tolist() == list(range(input_ids.shape[1]))
+        rows = unpadded(input_ids, attention_mask, position_ids)
         if self.fail:
             raise ConnectionError(f"engine {self.tag} is down")
-        self.contexts.append(input_ids[0].tolist())
-        width = settings.max_new_tokens
-        responses = torch.full((1, width), self.tag)
-        return Generation(responses, torch.tensor([3]), torch.full((1, width), -float(self.tag)))
+        self.contexts += rows
+        self.calls.append(len(rows))
+        n, width = len(rows), settings.max_new_tokens
+        return Generation(torch.full((n, width), self.tag), torch.full((n,), 3), torch.full((n, width), -float(self.tag)))
 
 
 def test_sessions_stick_and_new_ones_go_to_the_least_loaded():
@@ -115,6 +127,29 @@ def test_generate_calls_the_sessions_engine_and_fails_over():
         SessionRouter([object()])
 
 
+def test_generate_batch_sends_each_engine_its_sessions_as_one_batch_and_fails_over():
+    engines = [FakeEngine(30), FakeEngine(31)]
+    router = SessionRouter(engines)
+    out = router.generate_batch(list("abcd"), [[5], [6, 7], [8, 9, 10], [11]], GREEDY)
+    assert [o.engine for o in out] == [0, 1, 0, 1]
+    assert [o.token_ids for o in out] == [[30] * 3, [31] * 3, [30] * 3, [31] * 3]
+    assert out[1].log_probs == [-31.0] * 3
+    assert engines[0].calls == [2] and engines[1].calls == [2]  # one batched call per engine
+    assert engines[0].contexts == [[5], [8, 9, 10]] and engines[1].contexts == [[6, 7], [11]]
+
+    engines[1].fail = True
+    out = router.generate_batch(list("dbca"), [[11, 1], [6, 7, 1], [8, 9, 10, 1], [5, 1]], GREEDY)
+    assert [o.engine for o in out] == [0, 0, 0, 0] and out[0].token_ids == [30] * 3
+    assert engines[0].calls == [2, 2, 2]  # c, a; then d, b once re-homed
+    assert engines[0].contexts[-2:] == [[11, 1], [6, 7, 1]]
+    assert router.failures == [(1, "ConnectionError('engine 31 is down')")] and router.load == {0: 4}
+
+    with pytest.raises(ValueError, match="duplicates"):
+        router.generate_batch(["a", "a"], [[1], [2]], GREEDY)
+    with pytest.raises(ValueError, match="2 contexts for 1 sessions"):
+        router.generate_batch(["a"], [[1], [2]], GREEDY)
+
+
 def test_concurrent_sessions_from_threads():
     router = SessionRouter([FakeEngine(i) for i in range(4)])
     errors = []
@@ -143,8 +178,12 @@ class Spy:
         self.backend, self.contexts = backend, []
 
     def generate(self, input_ids, attention_mask, position_ids, settings):
-        self.contexts.append(input_ids[0].tolist())
+        self.contexts += unpadded(input_ids, attention_mask, position_ids)
         return self.backend.generate(input_ids, attention_mask, position_ids, settings)
+
+    @property
+    def pad_token_id(self):
+        return self.backend.pad_token_id
 
 
 def test_multi_turn_sessions_stay_on_one_real_engine(tmp_path):
@@ -181,3 +220,26 @@ def test_multi_turn_sessions_stay_on_one_real_engine(tmp_path):
     direct = engines[1].backend.generate(ids, torch.ones_like(ids), torch.arange(len(context)).unsqueeze(0), GREEDY)
     assert out.token_ids == direct.responses[0, : int(direct.lengths[0])].tolist()
     torch.testing.assert_close(torch.tensor(out.log_probs), direct.log_probs[0, : len(out.token_ids)])
+
+
+def test_multi_turn_rollout_over_a_router_of_two_real_engines(tmp_path):
+    """Episodes are sessions: spread over both engines, each engine continuing only its own, and
+    (greedy, the same weights on both) the trajectories are those of a single engine."""
+    path = build_tiny_model(tmp_path / "tiny", seed=0)
+    backends = [HFRollout(ModelConfig(path=path), RolloutConfig(seed=i)) for i in range(2)]
+    tok = backends[0].tokenizer
+    spies = [Spy(b) for b in backends]
+    router = SessionRouter(spies)
+    env_factory = functools.partial(GuessNumberEnv, tok, max_turns=3)
+    kw = dict(max_turns=3, max_total_tokens=120, settings=GREEDY)
+    routed = MultiTurnRollout(router, tok, env_factory, **kw).run([{"target": t} for t in (7, 30, 55, 90)])
+    single = MultiTurnRollout(backends[0], tok, env_factory, **kw).run([{"target": t} for t in (7, 30, 55, 90)])
+
+    engines, turns = routed.non_tensor_batch["engine"].tolist(), routed.non_tensor_batch["num_turns"].tolist()
+    assert engines == [0, 1, 0, 1]
+    for e, spy in enumerate(spies):  # one context per turn of each of its own episodes, none of the others'
+        assert len(spy.contexts) == sum(n for n, home in zip(turns, engines) if home == e)
+    assert router.load == {0: 0, 1: 0} and router.sessions == {}  # released when the run ended
+    for key in ("input_ids", "attention_mask", "response_mask"):
+        assert torch.equal(routed.batch[key], single.batch[key]), key
+    torch.testing.assert_close(routed.batch["rollout_log_probs"], single.batch["rollout_log_probs"], atol=1e-5, rtol=0)
