@@ -12,6 +12,7 @@ Config: an OmegaConf DictConfig or a plain dict with sections ``model`` and ``ac
     model.path                          (required)     local HF directory (AutoModelForCausalLM)
     model.dtype                         "float32"      parameter dtype: float32, bfloat16, float16
     model.gradient_checkpointing        False          recompute activations in backward (actor only)
+    model.mixed_precision               None           "bfloat16": bf16 compute, float32 parameters
     actor.optimizer                     "adamw"        "adamw" or "sgd"
     actor.lr                            1e-6           peak learning rate
     actor.weight_decay                  0.01           weight decay
@@ -82,6 +83,7 @@ from rlcore.workers.fsdp_utils import (
     build_lr_scheduler,
     build_optimizer,
     forward_micro_batches,
+    mixed_precision_policy,
     resolve_config,
     resolve_dtype,
     response_slice,
@@ -131,7 +133,7 @@ class ActorWorker(FSDPTrainWorker):
             model.requires_grad_(False)
         elif model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.module = apply_fsdp2(model, self.device)
+        self.module = apply_fsdp2(model, self.device, mixed_precision_policy(model_cfg))
         if self.role == "actor":
             self.optimizer = build_optimizer(self.module.parameters(), self.train_cfg)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)
@@ -155,7 +157,7 @@ class ActorWorker(FSDPTrainWorker):
             log_prob, logits = self._forward(micro)
             return {"log_prob": log_prob, "entropy": entropy_from_logits(logits)}
 
-        return forward_micro_batches(data, self.micro_batches(data), self.device, step)
+        return forward_micro_batches(self.module, data, self.micro_batches(data), self.device, step)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_log_prob(self, data: DataProto) -> DataProto:

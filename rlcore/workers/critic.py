@@ -12,6 +12,7 @@ either is an error naming it.
     model.path               (required)     local HF directory of a causal LM (its body is used)
     model.dtype              "float32"      parameter dtype
     model.gradient_checkpointing False      recompute activations in backward
+    model.mixed_precision    None           "bfloat16": bf16 compute, float32 parameters
     critic.lr                1e-5           peak learning rate
     critic.cliprange_value   0.5            values may move at most this far from ``values`` per update
     critic.loss_agg_mode     "token-mean"   aggregation of the per-token value loss
@@ -42,6 +43,7 @@ from rlcore.workers.fsdp_utils import (
     FSDPTrainWorker,
     ScalarHeadModel,
     apply_fsdp2,
+    mixed_precision_policy,
     build_lr_scheduler,
     build_optimizer,
     forward_micro_batches,
@@ -73,7 +75,7 @@ class CriticWorker(FSDPTrainWorker):
         if model_cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=dtype)
-        self.module = apply_fsdp2(ScalarHeadModel(backbone, head), self.device)
+        self.module = apply_fsdp2(ScalarHeadModel(backbone, head), self.device, mixed_precision_policy(model_cfg))
         self.optimizer = build_optimizer(self.module.parameters(), self.train_cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)
 
@@ -93,7 +95,7 @@ class CriticWorker(FSDPTrainWorker):
             valid = micro.batch["attention_mask"][:, -values.shape[1]:].bool()
             return {"values": torch.where(valid, values, torch.zeros_like(values))}
 
-        return DataProto.from_dict(forward_micro_batches(data, self.micro_batches(data), self.device, step))
+        return DataProto.from_dict(forward_micro_batches(self.module, data, self.micro_batches(data), self.device, step))
 
     @register(Dispatch.DP_COMPUTE_METRIC)
     def update_critic(self, data: DataProto) -> dict[str, float]:

@@ -25,7 +25,9 @@ Configuration keys shared by the training workers (the actor and critic sections
     seed                          1           torch seed at init, and the mini-batch shuffle seed
 
 The model section (``model.*``) holds ``path`` (required), ``dtype`` ("float32", "bfloat16",
-"float16") and ``gradient_checkpointing``. The device comes from ``trainer.device`` ("auto":
+"float16"), ``gradient_checkpointing`` and ``mixed_precision`` (null, or "bfloat16": FSDP2 runs
+forward and backward in bf16 while the parameters, optimizer state and gradient reduction stay in
+float32, the usual way to train on GPUs; it needs ``dtype`` float32). The device comes from ``trainer.device`` ("auto":
 CUDA when available, else CPU; or "cpu" / "cuda"); other keys of the recipe's ``trainer``
 section, and sections a worker does not own, are left to their owners.
 """
@@ -54,14 +56,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.trainer.seqlen_balancing import rearrange_micro_batches
 
-MODEL_DEFAULTS: dict[str, Any] = {"path": None, "dtype": "float32", "gradient_checkpointing": False}
+MODEL_DEFAULTS: dict[str, Any] = {"path": None, "dtype": "float32", "gradient_checkpointing": False,
+                                  "mixed_precision": None}
 
 TRAIN_DEFAULTS: dict[str, Any] = {
     "optimizer": "adamw",
@@ -155,8 +158,24 @@ class ScalarHeadModel(nn.Module):
         return self.head(hidden).squeeze(-1).clone()  # FSDP2 warns about view outputs
 
 
-def apply_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
+def mixed_precision_policy(model_cfg: Mapping) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``model.mixed_precision``: compute in it, keep and reduce in float32."""
+    name = model_cfg.get("mixed_precision")
+    if name is None:
+        return MixedPrecisionPolicy()  # compute in the parameters' own dtype
+    if name != "bfloat16":
+        raise ValueError(f"model.mixed_precision must be null or 'bfloat16', got {name!r} "
+                         "(float16 would need loss scaling)")
+    if model_cfg["dtype"] != "float32":
+        raise ValueError(f"model.mixed_precision={name} computes in bf16 over float32 parameters; "
+                         f"model.dtype is {model_cfg['dtype']!r}: set model.dtype=float32")
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def apply_fsdp2(model: nn.Module, device: torch.device,
+                mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard every decoder layer (HF's ``_no_split_modules`` names their classes), then the root."""
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     model.to(device)
     world_size = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world_size,))
@@ -167,8 +186,8 @@ def apply_fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
     if not layers:
         raise ValueError(f"found no decoder layers to shard in {type(model).__name__} (classes {sorted(layer_classes)})")
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 
@@ -258,10 +277,16 @@ def micro_batch_indices(data: DataProto, micro_batch_size: int, use_dynamic_bsz:
 
 
 @torch.no_grad()
-def forward_micro_batches(data: DataProto, indices: list[np.ndarray], device: torch.device,
+def forward_micro_batches(module: nn.Module, data: DataProto, indices: list[np.ndarray], device: torch.device,
                           fn: Callable[[DataProto], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Run ``fn`` on each micro-batch without grad; concatenate its outputs back in row order, on CPU."""
+    """Run ``fn`` on each micro-batch without grad; concatenate its outputs back in row order, on CPU.
+
+    Then reshard ``module``: FSDP2 leaves the root's parameters gathered after a forward, for the
+    backward that usually follows; here none follows, and (with mixed precision, in bf16) the
+    gathered copies would otherwise stay in memory until the next call.
+    """
     parts = [{k: v.cpu() for k, v in fn(data[ix].to(device)).items()} for ix in indices]
+    module.reshard()
     order = np.concatenate(indices)
     inverse = torch.from_numpy(np.argsort(order))
     return {k: torch.cat([p[k] for p in parts])[inverse] for k in parts[0]}

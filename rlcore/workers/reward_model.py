@@ -80,4 +80,4 @@ class RewardModelWorker(Worker):
             return {"rm_scores": scores, "token_level_scores": token_scores}
 
         indices = micro_batch_indices(data, cfg.micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.max_token_len_per_gpu)
-        return DataProto.from_dict(forward_micro_batches(data, indices, self.device, step))
+        return DataProto.from_dict(forward_micro_batches(self.module, data, indices, self.device, step))

@@ -167,6 +167,33 @@ def test_single_step_update_may_leave_out_old_log_probs(tiny_model_dir, make_bat
         two_steps.update_policy(data)
 
 
+def test_bf16_mixed_precision_keeps_float32_parameters(tiny_model_dir, make_batch):
+    """model.mixed_precision=bfloat16: log-probs and the update agree with float32 to bf16 precision
+    (and differ from it: the compute really is bf16); parameters and gradients stay float32."""
+    groups = {}
+    for name, mp in (("fp32", None), ("bf16", "bfloat16")):
+        cfg = actor_config(tiny_model_dir)
+        cfg["model"]["mixed_precision"] = mp
+        groups[name] = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, cfg), 1)
+        groups[name].init_model()
+    data = {name: with_old_log_probs(wg, make_batch(seed=3)) for name, wg in groups.items()}
+    fp32, bf16 = (data[n].batch["old_log_probs"] * data[n].batch["response_mask"] for n in ("fp32", "bf16"))
+    assert bf16.dtype == torch.float32
+    assert 1e-4 < (bf16 - fp32).abs().max() < 0.05  # bf16 rounding: visible, small
+    metrics = {name: wg.update_policy(data[name])[0] for name, wg in groups.items()}
+    assert metrics["bf16"]["actor/grad_norm"] == pytest.approx(metrics["fp32"]["actor/grad_norm"], rel=0.05)
+    module = groups["bf16"].worker(0).module
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
+    for a, b in zip(groups["fp32"].worker(0).module.parameters(), module.parameters()):  # one SGD step, alike
+        torch.testing.assert_close(b.full_tensor(), a.full_tensor(), rtol=0, atol=5e-3)
+
+    bad = actor_config(tiny_model_dir)
+    bad["model"].update(mixed_precision="bfloat16", dtype="bfloat16")
+    wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, bad), 1)
+    with pytest.raises(WorkerError, match="model.dtype is 'bfloat16'"):
+        wg.init_model()
+
+
 def test_dynamic_batch_size_gives_the_same_results(tiny_model_dir, make_batch):
     groups = [LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir, **kw)), 1)
               for kw in ({"ppo_micro_batch_size_per_gpu": 3}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 12})]

@@ -119,3 +119,17 @@ def test_critic_config_errors(tiny_model_dir):
         CriticWorker(critic_config(tiny_model_dir, loss_agg_mode="mean"))
     for key in ("lr", "cliprange_value", "loss_agg_mode"):
         assert f"critic.{key} " in critic_module.__doc__
+
+
+def test_bf16_mixed_precision_values_are_close_and_parameters_float32(tiny_model_dir, make_batch):
+    groups = []
+    for mp in (None, "bfloat16"):
+        cfg = critic_config(tiny_model_dir)
+        cfg["model"]["mixed_precision"] = mp
+        groups.append(LocalWorkerGroup(ClassWithInitArgs(CriticWorker, cfg), world_size=1))
+        groups[-1].init_model()  # same seed: the same fresh head
+    wg = groups[1]
+    data = make_batch()
+    fp32, bf16 = (g.compute_values(data).batch["values"] for g in groups)
+    assert bf16.dtype == torch.float32 and 1e-4 < (bf16 - fp32).abs().max() < 0.05
+    assert {p.dtype for p in wg.worker(0).module.parameters()} == {torch.float32}

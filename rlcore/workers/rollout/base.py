@@ -39,12 +39,13 @@ class ModelConfig:
     """``model`` section (shared with the actor): the checkpoint the rollout starts from.
 
     ``device`` is not a key of its own: it comes from ``trainer.device`` (auto | cpu | cuda), the one
-    device setting of a run. ``gradient_checkpointing`` belongs to training and is ignored here.
+    device setting of a run. ``gradient_checkpointing`` and ``mixed_precision`` belong to training and are ignored here.
     """
 
     path: str
     dtype: str = "float32"
     gradient_checkpointing: bool = False
+    mixed_precision: str | None = None
     device: str = "cpu"
 
     def __post_init__(self) -> None:

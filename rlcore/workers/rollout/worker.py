@@ -7,6 +7,7 @@ other sections are ignored so that a recipe can hand over its whole config)::
       path: str                  required; Hugging Face checkpoint directory (weights + tokenizer)
       dtype: "float32"           dtype of the HF backend's weights (float32 | bfloat16 | float16)
       gradient_checkpointing     training only (shared model section); ignored by the rollout
+      mixed_precision            training only (shared model section); ignored by the rollout
     trainer:
       device: "auto"             device of the HF backend (auto: cuda if available); vLLM picks its own
     rollout:
