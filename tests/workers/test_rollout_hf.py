@@ -173,6 +173,11 @@ def test_two_ranks_with_padding_match_one_rank(model_dir, tok, rollout):
     assert list(two.non_tensor_batch["uid"]) == ["p0", "p0", "p1", "p1", "p2", "p2"]
     for key in ("input_ids", "attention_mask", "position_ids", "response_mask"):
         assert torch.equal(one.batch[key], two.batch[key]), key
+    # The group's metrics: tokens of the real rows (not the padding), the slowest rank's time.
+    meta = two.meta_info
+    assert meta["rollout/num_generated_tokens"] == int(one.batch["response_mask"].sum())
+    assert meta["rollout/gen_time_s"] >= meta["rollout/gen_time_s_min"] > 0
+    assert meta["rollout/tokens_per_s"] == pytest.approx(meta["rollout/num_generated_tokens"] / meta["rollout/gen_time_s"])
 
 
 def test_config_errors_name_the_problem(model_dir, tok):

@@ -48,10 +48,34 @@ from typing import Any
 import torch
 
 from rlcore.protocol import DataProto
-from rlcore.single_controller import Dispatch, Worker, register
+from rlcore.single_controller import Dispatch, DispatchMode, Worker, register
+from rlcore.single_controller.decorator import collect_dp_proto, resolve_dispatch_mode
 from rlcore.workers.rollout.base import RolloutBackend, SamplingSettings, build_output, check_left_padded, parse_config
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _collect_generations(ctx, outputs: list[DataProto]) -> DataProto:
+    """Concatenate the ranks' generations; their speed metrics become the group's: the step waits
+    for the slowest rank, so ``gen_time_s`` is its time (``gen_time_s_min`` the fastest's: the gap is
+    the imbalance); tokens are those of the real (unpadded) rows, ``tokens_per_s`` them over the
+    slowest rank's time."""
+    out = collect_dp_proto(ctx, outputs)
+    times = [o.meta_info["rollout/gen_time_s"] for o in outputs]
+    tokens = int(out.batch["response_mask"].sum())
+    out.meta_info.update({
+        "rollout/gen_time_s": max(times),
+        "rollout/gen_time_s_min": min(times),
+        "rollout/num_generated_tokens": tokens,
+        "rollout/tokens_per_s": tokens / max(times) if max(times) > 0 else float("nan"),
+    })
+    return out
+
+
+_collect_generations.concatenates_chunks = True  # a future of it can feed another group rank by rank
+DP_COMPUTE_ROLLOUT = DispatchMode(
+    resolve_dispatch_mode(Dispatch.DP_COMPUTE_PROTO).dispatch_fn, _collect_generations, "dp_compute_rollout"
+)
 
 
 class RolloutWorker(Worker):
@@ -70,15 +94,15 @@ class RolloutWorker(Worker):
 
             self.backend = VLLMRollout(self.model_config, self.config, rank=self.rank)
 
-    @register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)
+    @register(dispatch_mode=DP_COMPUTE_ROLLOUT)
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         """Left-padded prompts (input_ids, attention_mask, position_ids) -> prompts ++ responses.
 
         Output keys: prompts, responses, response_mask, input_ids, attention_mask, position_ids,
         rollout_log_probs, the input's non-tensor fields (repeated like the rows), and meta_info
         with the input's entries plus "temperature" (the one the log-probs refer to, 1.0 when
-        greedy), "rollout/gen_time_s", "rollout/tokens_per_s" and "rollout/num_generated_tokens"
-        (of this rank; the driver sees rank 0's).
+        greedy), "rollout/gen_time_s", "rollout/tokens_per_s" and "rollout/num_generated_tokens":
+        this rank's here, the whole group's once collected (see ``_collect_generations``).
         """
         backend = self._require_backend()
         if prompts.batch is None or any(k not in prompts.batch.keys() for k in PROMPT_KEYS):
