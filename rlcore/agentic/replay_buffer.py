@@ -31,8 +31,9 @@ one buffer must share it); per-batch metrics are not row data.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -196,6 +197,7 @@ class AsyncRolloutLoop:
         self._weights_lock = threading.Lock()
         self._stop = self._finished = False
         self._error: BaseException | None = None
+        self.rollout_metrics: dict[str, float] = {}  # "rollout/*" of the latest generation (its speed)
         self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
 
     def start(self) -> "AsyncRolloutLoop":
@@ -231,6 +233,7 @@ class AsyncRolloutLoop:
                     out = self.rollout.generate_sequences(prompts)
                 with self._cond:
                     self.buffer.add(out, version)
+                    self.rollout_metrics = {k: v for k, v in out.meta_info.items() if k.startswith("rollout/")}
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001 - handed to the driver in pop_batch
             self._error = exc
@@ -260,7 +263,15 @@ class AsyncRolloutLoop:
             if len(self.buffer) < n:
                 raise RuntimeError(f"the producer has finished (prompts ran out or stop() was called) with "
                                    f"{len(self.buffer)} fresh rows left; {n} asked for")
-            return self.buffer.pop_batch(n, self.version)
+            batch = self.buffer.pop_batch(n, self.version)
+            self._cond.notify_all()  # room again: the producer may sample the next batch now
+            return batch
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Hold the producer between two generations, e.g. to validate on the same engine."""
+        with self._weights_lock:
+            yield
 
     def publish_weights(self, state_dict: Any, version: int) -> None:
         """Load new policy weights into the rollout (after the generation in flight) as ``version``.

@@ -135,6 +135,29 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
     return workers
 
 
+def build_rollout_group(cfg: DictConfig) -> Workers:
+    """A rollout group of its own beside the trainer's, for asynchronous recipes: its engine
+    generates the next batches while the trainer's group updates. The same placement keys as
+    ``build_workers`` (a Ray pool of its own, or this process with ``trainer.backend=local``);
+    weights reach it through ``update_weights``, never in memory."""
+    t = cfg.trainer
+    config = to_plain(cfg)
+    config["trainer"]["device"] = resolve_device(t.device)
+    worker = _role_class("rollout", config, {})
+    pool = None
+    if t.backend == "local":
+        group = LocalWorkerGroup(worker)
+    else:
+        from rlcore.single_controller import RayResourcePool, RayWorkerGroup
+
+        init_ray(cfg)
+        pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=config["trainer"]["device"] == "cuda",
+                               num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}_rollout")
+        group = RayWorkerGroup(pool, worker, name_prefix=f"{t.project}_rollout")
+    group.init_model()
+    return Workers(group=group, pool=pool, roles=["rollout"], rollout=group)
+
+
 # ----------------------------------------------------------------------------- data
 def _arithmetic_files(cfg: DictConfig) -> tuple[str, str]:
     """The arithmetic train/val split of ``data.arithmetic``, written once per setting."""

@@ -10,7 +10,8 @@ Where the defaults live:
 - worker sections (``model``, ``actor``, ``critic``, ``rollout``, ``reward``) take the tables the
   workers declare (``ACTOR_DEFAULTS``, ``RolloutConfig``, ...), so each key is documented once, in
   the worker's module docstring; the workers check the values when they are built;
-- the recipes' own sections (``trainer``, ``data``, ``algorithm``, ``warmstart``, ``tiny_model``)
+- the recipes' own sections (``trainer``, ``data``, ``algorithm``, ``warmstart``, ``tiny_model``,
+  ``replay``)
   are the dataclasses below, typed, so ``trainer.total_steps=abc`` fails at once.
 
 The result is an OmegaConf struct config: reading a misspelt key in code fails too.
@@ -127,12 +128,22 @@ class WarmStartConfig:
     steps: int = 60  # SFT steps: ~10-20% greedy accuracy on the default arithmetic task
 
 
+@dataclass
+class ReplayConfig:
+    """The replay buffer between an asynchronous recipe's rollout producer and its trainer."""
+
+    capacity_batches: int = 1  # rows held, in training batches (train_batch_size x rollout.n)
+    max_staleness: int = 1  # rows more than this many policy versions old are dropped; 0: on-policy
+    pop_timeout_s: float = 600.0  # the trainer waits this long for a fresh batch, then fails
+
+
 RECIPE_SECTIONS: dict[str, type] = {
     "trainer": TrainerConfig,
     "data": DataConfig,
     "algorithm": AlgorithmConfig,
     "tiny_model": TinyModelConfig,
     "warmstart": WarmStartConfig,
+    "replay": ReplayConfig,
 }
 
 

@@ -2,6 +2,7 @@
 real in-process rollout worker and FSDP actor on a tiny model."""
 
 import math
+import time
 
 import numpy as np
 import pytest
@@ -234,6 +235,22 @@ def test_async_loop_trains_on_fresh_rows_with_exact_versions(groups, tok):
             loop.pop_batch(9)
     assert buf.num_added == popped + len(buf) + buf.num_dropped_stale + buf.num_evicted
     assert buf.num_evicted == 0  # the producer waits instead of overrunning the buffer
+
+
+def test_async_loop_samples_the_next_batch_while_the_trainer_trains(groups, tok):
+    """Capacity of one batch, staleness 1: once the trainer pops, the producer samples the next batch
+    with the weights it has, before any are published: one step off-policy, the two overlapping."""
+    rollout, actor = groups
+    rollout.update_weights(actor.get_full_state_dict())
+    buf = ReplayBuffer(capacity=4, max_staleness=1)
+    with AsyncRolloutLoop(rollout, prompt_batches(tok), buf, version=0) as loop:
+        assert loop.pop_batch(4, timeout=120).non_tensor_batch["policy_version"].tolist() == [0] * 4
+        deadline = time.monotonic() + 120
+        while len(buf) < 4 and time.monotonic() < deadline:  # the trainer would be updating now
+            time.sleep(0.02)
+        assert len(buf) == 4, "the producer did not refill the buffer after a pop"
+        loop.publish_weights(actor.get_full_state_dict(), version=1)
+        assert loop.pop_batch(4, timeout=120).non_tensor_batch["policy_version"].tolist() == [0] * 4
 
 
 def test_async_loop_reports_producer_end_and_failure(groups, tok):

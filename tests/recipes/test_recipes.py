@@ -1,5 +1,6 @@
 """End-to-end runs of the recipes at tiny sizes: the real YAML configs composed by Hydra with
-overrides, a few steps each, on the in-process backend and (GRPO, with its warm start) on Ray.
+overrides, a few steps each, on the in-process backend and (GRPO, with its warm start, and async
+GRPO) on Ray.
 
 Each run's metrics.jsonl must hold the expected keys with finite values. A PPO run killed after
 its step-2 checkpoint and resumed with trainer.resume=auto must log exactly the metrics of an
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import recipes.async_grpo
 import recipes.grpo
 import recipes.ppo
 import recipes.sft
@@ -79,6 +81,21 @@ def test_grpo_builds_its_warm_start_then_trains_on_ray(tmp_path, ray_cluster):
     cfg.trainer.run_name = "again"
     assert recipes.sft.warm_start(recipes.grpo.load_config(cfg, recipes.grpo.SECTIONS)) == info["model_dir"]
     assert marker.stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+@pytest.mark.parametrize("backend, max_staleness", [("local", 0), ("ray", 1)])
+def test_async_grpo_trains_on_rows_at_most_max_staleness_old(tmp_path, tiny_model, backend, max_staleness, request):
+    if backend == "ray":
+        request.getfixturevalue("ray_cluster")
+    cfg = config("async_grpo", tmp_path, f"model.path={tiny_model}", f"trainer.backend={backend}",
+                 "trainer.total_steps=3", f"replay.max_staleness={max_staleness}", *COMMON_RL)
+    run = recipes.async_grpo.train(cfg)
+    generated_elsewhere = {"timing_s/gen"}  # by the producer: its speed is in rollout/*, not a stage of the step
+    rows = check_metrics(run, 3, RL_KEYS - generated_elsewhere | {
+        "actor/kl_loss", "actor/is/weight_mean", "replay/staleness_mean", "timing_s/wait_rollout", "timing_s/sync_weights"})
+    staleness = [r["replay/staleness_mean"] for r in rows[1:]]
+    assert staleness[0] == 0.0  # the first batch comes from the starting weights
+    assert all(s in (0.0, 1.0) and s <= max_staleness for s in staleness), staleness
 
 
 def test_ppo_with_critic_and_kl_in_reward_on_given_data_files(tmp_path, tiny_model):
