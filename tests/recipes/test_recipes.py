@@ -98,6 +98,23 @@ def test_async_grpo_trains_on_rows_at_most_max_staleness_old(tmp_path, tiny_mode
     assert all(s in (0.0, 1.0) and s <= max_staleness for s in staleness), staleness
 
 
+def test_async_grpo_resume_gives_the_engine_the_checkpointed_weights(tmp_path, tiny_model):
+    """On-policy (max_staleness 0) with a large lr: IS weights of 1 after resuming mean the engine
+    samples with the restored weights, not the starting model's."""
+    length_reward = Path(__file__).with_name("length_reward.py")  # random-model samples must score apart
+    overrides = [f"model.path={tiny_model}", "trainer.backend=local", "trainer.save_freq=2", "actor.lr=5e-2",
+                 "replay.max_staleness=0", f"reward.reward_fn={length_reward}:reward_by_length", *COMMON_RL,
+                 "rollout.n=4"]
+    first = recipes.async_grpo.train(config("async_grpo", tmp_path, *overrides))
+    assert any(r.get("actor/grad_norm", 0) > 0 for r in read_jsonl_metrics(first.dir / "metrics.jsonl"))
+    resumed = recipes.async_grpo.train(config("async_grpo", tmp_path, *overrides, "trainer.total_steps=3",
+                                              "trainer.resume=auto"))
+    assert resumed.start_step == 2
+    rows = read_jsonl_metrics(resumed.dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[3]["actor/is/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
 def test_ppo_with_critic_and_kl_in_reward_on_given_data_files(tmp_path, tiny_model):
     train, val = make_split(12, 4, seed=3, max_operand=9)
     files = [f"data.train_files=[{write_jsonl(tmp_path / 'tr.jsonl', train)}]",
