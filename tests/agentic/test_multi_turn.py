@@ -224,3 +224,43 @@ def test_hf_backend_trajectories(hf_backend):
         torch.testing.assert_close(b["rollout_log_probs"][row, :n_resp][model_positions],
                                    log_probs[-n_resp:][model_positions], atol=1e-4, rtol=0)
     assert env_tokens > 0  # the test saw env replies inside trajectories
+
+
+# ------------------------------------------------------------------ through a worker group
+def test_generate_multi_turn_on_ray_ranks_equals_in_process(tmp_path, ray_cluster):
+    """RolloutWorker.generate_multi_turn: tasks split over 2 Ray ranks (each rank's episodes of its
+    own widths, aligned when collected) give the in-process group's greedy episodes exactly."""
+    import numpy as np
+
+    from rlcore.protocol import DataProto
+    from rlcore.single_controller import (ClassWithInitArgs, LocalWorkerGroup, RayResourcePool, RayWorkerGroup,
+                                          WorkerError)
+    from rlcore.workers.rollout import RolloutWorker
+
+    path = build_tiny_model(tmp_path / "tiny", seed=0)
+    config = {"model": {"path": path}, "rollout": {"max_new_tokens": 6}}
+    targets = [3, 9, 27, 81, 40]
+    tasks = DataProto.from_dict(non_tensors={"task": np.array([{"target": t} for t in targets], dtype=object),
+                                             "uid": np.array([f"u{i}" for i in range(5)], dtype=object)},
+                                meta_info={"env": "guess_number", "env_kwargs": {"max_turns": 3}, "max_turns": 3,
+                                           "max_total_tokens": 90, "validate": True})
+    local = LocalWorkerGroup(ClassWithInitArgs(RolloutWorker, config), world_size=1)
+    local.init_model()
+    pool = RayResourcePool([2], num_cpus_per_process=0.5, name_prefix="multi_turn_test")
+    remote = RayWorkerGroup(pool, ClassWithInitArgs(RolloutWorker, config), default_timeout=300)
+    try:
+        remote.init_model()
+        one = local.generate_multi_turn(tasks)
+        two = remote.generate_multi_turn.options(pad=True)(tasks)  # 5 tasks over 2 ranks: padded to 6
+    finally:
+        remote.shutdown()
+        pool.shutdown()
+    assert len(two) == 5 and list(two.non_tensor_batch["uid"]) == [f"u{i}" for i in range(5)]
+    for key in ("input_ids", "attention_mask", "response_mask", "token_level_scores"):
+        assert torch.equal(one.batch[key], two.batch[key]), key
+    torch.testing.assert_close(one.batch["rollout_log_probs"], two.batch["rollout_log_probs"], atol=1e-5, rtol=0)
+    assert list(one.non_tensor_batch["num_turns"]) == list(two.non_tensor_batch["num_turns"])
+    assert two.meta_info["rollout/num_generated_tokens"] == int(two.batch["response_mask"].sum())
+    with pytest.raises(WorkerError, match="non-tensor 'task' column"):
+        local.generate_multi_turn(DataProto.from_dict(non_tensors={"uid": np.array(["a"], dtype=object)},
+                                                      meta_info=dict(tasks.meta_info)))

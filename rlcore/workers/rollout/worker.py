@@ -41,6 +41,7 @@ controller hands to every rollout rank as one Ray object ref (the dict never pas
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -78,10 +79,28 @@ DP_COMPUTE_ROLLOUT = DispatchMode(
 )
 
 
+def _collect_episodes(ctx, outputs: list[DataProto]) -> DataProto:
+    """Multi-turn chunks differ in width (each rank's longest prompt and episode): pad them to the
+    widest first (prompts on the left, responses on the right), then as ``_collect_generations``."""
+    from rlcore.agentic.replay_buffer import pad_rollout
+
+    t_p = max(o.batch["prompts"].shape[1] for o in outputs)
+    t_r = max(o.batch["responses"].shape[1] for o in outputs)
+    out = _collect_generations(ctx, [pad_rollout(o, t_p, t_r, o.meta_info["pad_token_id"]) for o in outputs])
+    out.meta_info.pop("pad_token_id")
+    return out
+
+
+DP_COMPUTE_EPISODES = DispatchMode(
+    resolve_dispatch_mode(Dispatch.DP_COMPUTE_PROTO).dispatch_fn, _collect_episodes, "dp_compute_episodes"
+)
+
+
 class RolloutWorker(Worker):
     def __init__(self, config: Any) -> None:
         self.model_config, self.config = parse_config(config)
         self.backend: RolloutBackend | None = None
+        self._tok = None  # the tokenizer environments encode with, loaded on first use
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -120,6 +139,44 @@ class RolloutWorker(Worker):
         # compute_log_prob reads it from meta_info, so old_log_probs describe the same distribution.
         out.meta_info["temperature"] = 1.0 if settings.greedy else settings.temperature
         return out
+
+    @register(dispatch_mode=DP_COMPUTE_EPISODES)
+    def generate_multi_turn(self, tasks: DataProto) -> DataProto:
+        """One episode per row against an environment, turn by turn, in token ids (``MultiTurnRollout``
+        with this rank's engine); the rows are split over the ranks like prompts.
+
+        Rows: non-tensor ``task`` (the ``env.reset`` keyword arguments, a dict) and optionally ``seed``;
+        other non-tensor columns (e.g. ``uid``) are carried over. ``meta_info``: ``env`` (a registered
+        name), ``env_kwargs`` (dict), ``max_turns``, ``max_total_tokens`` and any sampling override of
+        ``generate_sequences`` (``n`` must be 1: repeat a task for several episodes of it).
+        Output: the single-turn layout, ``response_mask`` 1 only on the policy's tokens, the episode's
+        reward on its last model token (``token_level_scores``), ``num_turns``, ``truncated``.
+        """
+        from rlcore.agentic import MultiTurnRollout, make_env
+
+        meta = tasks.meta_info
+        missing = [k for k in ("env", "max_turns", "max_total_tokens") if k not in meta]
+        if missing or "task" not in tasks.non_tensor_batch:
+            raise KeyError(f"generate_multi_turn needs meta_info {missing} and a non-tensor 'task' column"
+                           if missing else "generate_multi_turn needs a non-tensor 'task' column (env.reset kwargs)")
+        tokenizer = self._tokenizer()
+        env_factory = functools.partial(make_env, meta["env"], tokenizer, **dict(meta.get("env_kwargs") or {}))
+        rollout = MultiTurnRollout(self._require_backend(), tokenizer, env_factory, int(meta["max_turns"]),
+                                   int(meta["max_total_tokens"]), SamplingSettings.resolve(self.config, meta))
+        columns = tasks.non_tensor_batch
+        seeds = [int(s) for s in columns["seed"]] if "seed" in columns else None
+        out = rollout.run([dict(t) for t in columns["task"]], seeds=seeds)
+        for key, values in columns.items():
+            out.non_tensor_batch.setdefault(key, values)
+        out.meta_info["pad_token_id"] = rollout.pad_token_id  # for the collect, which aligns the ranks' widths
+        return out
+
+    def _tokenizer(self):
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(self.model_config.path)
+        return self._tok
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_weights(self) -> dict[str, float]:
