@@ -115,3 +115,39 @@ class GuessNumberEnv(Env):
         # Nothing follows a final observation, so it carries no assistant cue.
         text = "\n" + (reply if self.done else user_turn(reply))
         return StepResult(self.encode(text), reward, self.done, {"guess": guess, "turn": self.turn})
+
+
+@register_env("arithmetic_retry")
+class ArithmeticRetryEnv(Env):
+    """A question with a known answer (the arithmetic task's ``a+b=``), answered in up to
+    ``max_turns`` tries: a wrong answer gets the question again, a right one ends the episode with
+    reward ``discount ** (turn - 1)`` (1.0 first time), no right answer by the last try gets 0.
+
+    The prompt is the raw question, as the single-turn recipes pose it, so a policy trained on them
+    starts out sometimes right; the retries make the episode multi-turn, and the discount makes
+    being right at once worth the most. An answer is the decoded text, stripped, compared exactly.
+    """
+
+    def __init__(self, tokenizer, max_turns: int = 3, discount: float = 0.5) -> None:
+        super().__init__(tokenizer)
+        if max_turns < 1 or not 0.0 < discount <= 1.0:
+            raise ValueError(f"arithmetic_retry needs max_turns >= 1 and discount in (0, 1], got {max_turns}, {discount}")
+        self.max_turns, self.discount = max_turns, discount
+        self.question = self.answer = ""
+        self.turn, self.done = 0, True
+
+    def reset(self, seed: int | None = None, prompt: str = "", answer: str = "") -> Observation:
+        if not prompt or not answer:
+            raise ValueError("arithmetic_retry.reset needs prompt= (the question) and answer=")
+        self.question, self.answer, self.turn, self.done = prompt, str(answer).strip(), 0, False
+        return self.encode(prompt)
+
+    def step(self, action_token_ids: Sequence[int]) -> StepResult:
+        if self.done:
+            raise RuntimeError("step() on a finished episode: call reset() first")
+        self.turn += 1
+        right = self.decode_action(action_token_ids).strip() == self.answer
+        reward = self.discount ** (self.turn - 1) if right else 0.0
+        self.done = right or self.turn >= self.max_turns
+        return StepResult([] if self.done else self.encode("\n" + self.question), reward, self.done,
+                          {"right": right, "turn": self.turn})

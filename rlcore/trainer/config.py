@@ -11,7 +11,7 @@ Where the defaults live:
   workers declare (``ACTOR_DEFAULTS``, ``RolloutConfig``, ...), so each key is documented once, in
   the worker's module docstring; the workers check the values when they are built;
 - the recipes' own sections (``trainer``, ``data``, ``algorithm``, ``warmstart``, ``tiny_model``,
-  ``replay``)
+  ``replay``, ``env``)
   are the dataclasses below, typed, so ``trainer.total_steps=abc`` fails at once.
 
 The result is an OmegaConf struct config: reading a misspelt key in code fails too.
@@ -137,6 +137,16 @@ class ReplayConfig:
     pop_timeout_s: float = 600.0  # the trainer waits this long for a fresh batch, then fails
 
 
+@dataclass
+class EnvConfig:
+    """The environment of a multi-turn recipe (``rlcore.agentic.env`` registry)."""
+
+    name: str = "arithmetic_retry"  # a registered env
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the env's constructor arguments
+    max_turns: int = 3  # policy turns per episode at most
+    max_total_tokens: int = 64  # prompt + all turns of an episode at most
+
+
 RECIPE_SECTIONS: dict[str, type] = {
     "trainer": TrainerConfig,
     "data": DataConfig,
@@ -144,6 +154,7 @@ RECIPE_SECTIONS: dict[str, type] = {
     "tiny_model": TinyModelConfig,
     "warmstart": WarmStartConfig,
     "replay": ReplayConfig,
+    "env": EnvConfig,
 }
 
 

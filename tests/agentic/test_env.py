@@ -93,3 +93,22 @@ def test_registry(tok):
     echo = make_env("echo_test_env", tok)
     assert echo.reset(text="ab") == ids(tok, "ab")
     assert echo.step(ids(tok, "xy") + [tok.eos_token_id])[0] == ids(tok, "xy")
+
+
+def test_arithmetic_retry_asks_again_until_right_or_out_of_tries(tok):
+    env = make_env("arithmetic_retry", tok, max_turns=3, discount=0.5)
+    eos = [tok.eos_token_id]
+    assert tok.decode(env.reset(prompt="12+5=", answer="17")) == "12+5="
+    wrong = env.step(tok.encode("13", add_special_tokens=False) + eos)
+    assert (wrong.reward, wrong.done) == (0.0, False) and tok.decode(wrong.observation) == "\n12+5="
+    right = env.step(tok.encode("17", add_special_tokens=False) + eos)
+    assert (right.reward, right.done, right.observation) == (0.5, True, [])  # right at the 2nd try: 0.5
+    env.reset(prompt="1+1=", answer="2")
+    results = [env.step(tok.encode("3", add_special_tokens=False)) for _ in range(3)]
+    assert [r.done for r in results] == [False, False, True] and sum(r.reward for r in results) == 0.0
+    with pytest.raises(RuntimeError, match="finished episode"):
+        env.step([5])
+    with pytest.raises(ValueError, match="needs prompt= .* and answer="):
+        env.reset(prompt="1+1=")
+    with pytest.raises(ValueError, match="max_turns >= 1"):
+        make_env("arithmetic_retry", tok, max_turns=0)

@@ -18,6 +18,7 @@ from hydra import compose, initialize_config_dir
 
 import recipes.async_grpo
 import recipes.grpo
+import recipes.multi_turn_grpo
 import recipes.ppo
 import recipes.sft
 from rlcore.data.arithmetic import make_split, write_jsonl
@@ -113,6 +114,16 @@ def test_async_grpo_resume_gives_the_engine_the_checkpointed_weights(tmp_path, t
     rows = read_jsonl_metrics(resumed.dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[3]["actor/is/weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_multi_turn_grpo_trains_on_episodes_of_policy_and_env_tokens(tmp_path, tiny_model):
+    cfg = config("multi_turn_grpo", tmp_path, f"model.path={tiny_model}", "trainer.backend=local", *COMMON_RL,
+                 "env.max_total_tokens=40")
+    run = recipes.multi_turn_grpo.train(cfg)
+    rows = check_metrics(run, 2, RL_KEYS | {"actor/kl_loss", "episode/reward_mean", "episode/turns_mean",
+                                            "episode/first_try_right"})
+    # A random model is never right: every episode uses all its tries.
+    assert all(r["episode/turns_mean"] == 3 and r["episode/reward_mean"] == 0 for r in rows[1:])
 
 
 def test_ppo_with_critic_and_kl_in_reward_on_given_data_files(tmp_path, tiny_model):

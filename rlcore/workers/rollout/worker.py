@@ -148,7 +148,8 @@ class RolloutWorker(Worker):
         Rows: non-tensor ``task`` (the ``env.reset`` keyword arguments, a dict) and optionally ``seed``;
         other non-tensor columns (e.g. ``uid``) are carried over. ``meta_info``: ``env`` (a registered
         name), ``env_kwargs`` (dict), ``max_turns``, ``max_total_tokens`` and any sampling override of
-        ``generate_sequences`` (``n`` must be 1: repeat a task for several episodes of it).
+        ``generate_sequences``. One episode per row whatever ``rollout.n`` says: for a group of episodes
+        of one task, repeat the row.
         Output: the single-turn layout, ``response_mask`` 1 only on the policy's tokens, the episode's
         reward on its last model token (``token_level_scores``), ``num_turns``, ``truncated``.
         """
@@ -162,7 +163,7 @@ class RolloutWorker(Worker):
         tokenizer = self._tokenizer()
         env_factory = functools.partial(make_env, meta["env"], tokenizer, **dict(meta.get("env_kwargs") or {}))
         rollout = MultiTurnRollout(self._require_backend(), tokenizer, env_factory, int(meta["max_turns"]),
-                                   int(meta["max_total_tokens"]), SamplingSettings.resolve(self.config, meta))
+                                   int(meta["max_total_tokens"]), SamplingSettings.resolve(self.config, {"n": 1, **meta}))
         columns = tasks.non_tensor_batch
         seeds = [int(s) for s in columns["seed"]] if "seed" in columns else None
         out = rollout.run([dict(t) for t in columns["task"]], seeds=seeds)
