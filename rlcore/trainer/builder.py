@@ -103,30 +103,9 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
     bad = [r for r in roles if r not in ROLES]
     if bad or "actor" not in roles:
         raise ValueError(f"roles must include 'actor' and come from {ROLES}, got {list(roles)}")
-    t = cfg.trainer
-    if t.backend not in BACKENDS:
-        raise ValueError(f"trainer.backend must be one of {BACKENDS}, got {t.backend!r}")
-    config = to_plain(cfg)
-    config["trainer"]["device"] = resolve_device(t.device)
+    config = _worker_config(cfg)
     colocated = create_colocated_worker_cls({r: _role_class(r, config, classes or {}) for r in roles})
-    pool = None
-    if t.backend == "local":
-        if t.nnodes * t.procs_per_node != 1:
-            raise ValueError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
-                             "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
-        import torch
-
-        # As many threads as a Ray rank would get. torch._C's builtin, because a vLLM CPU engine started
-        # earlier in this process replaces torch.set_num_threads with a no-op that only logs a warning.
-        torch._C.set_num_threads(max(1, int(t.cpus_per_proc)))
-        group = LocalWorkerGroup(colocated)
-    else:
-        from rlcore.single_controller import RayResourcePool, RayWorkerGroup
-
-        init_ray(cfg)
-        pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=config["trainer"]["device"] == "cuda",
-                               num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}")
-        group = RayWorkerGroup(pool, colocated, name_prefix=t.project)
+    group, pool = _placed_group(cfg, colocated)
     views = group.spawn(list(roles))
     workers = Workers(group=group, pool=pool, roles=list(roles), **views)
     for role in ROLES:  # the actor first: it joins torch.distributed, which the others then share
@@ -140,22 +119,41 @@ def build_rollout_group(cfg: DictConfig) -> Workers:
     generates the next batches while the trainer's group updates. The same placement keys as
     ``build_workers`` (a Ray pool of its own, or this process with ``trainer.backend=local``);
     weights reach it through ``update_weights``, never in memory."""
-    t = cfg.trainer
-    config = to_plain(cfg)
-    config["trainer"]["device"] = resolve_device(t.device)
-    worker = _role_class("rollout", config, {})
-    pool = None
-    if t.backend == "local":
-        group = LocalWorkerGroup(worker)
-    else:
-        from rlcore.single_controller import RayResourcePool, RayWorkerGroup
-
-        init_ray(cfg)
-        pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=config["trainer"]["device"] == "cuda",
-                               num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}_rollout")
-        group = RayWorkerGroup(pool, worker, name_prefix=f"{t.project}_rollout")
+    group, pool = _placed_group(cfg, _role_class("rollout", _worker_config(cfg), {}), suffix="_rollout")
     group.init_model()
     return Workers(group=group, pool=pool, roles=["rollout"], rollout=group)
+
+
+def _worker_config(cfg: DictConfig) -> dict:
+    """The plain config the workers are built with, ``trainer.device`` resolved ("auto" decided here)."""
+    config = to_plain(cfg)
+    config["trainer"]["device"] = resolve_device(cfg.trainer.device)
+    return config
+
+
+def _placed_group(cfg: DictConfig, worker: Any, suffix: str = "") -> tuple[WorkerGroup, Any]:
+    """``worker`` as a group placed by the ``trainer`` keys, and its Ray pool (None in-process):
+    this process with ``backend=local`` (one rank), else a Ray pool of its own of ``nnodes`` x
+    ``procs_per_node`` ranks of ``cpus_per_proc`` CPUs (named with ``suffix``)."""
+    t = cfg.trainer
+    if t.backend not in BACKENDS:
+        raise ValueError(f"trainer.backend must be one of {BACKENDS}, got {t.backend!r}")
+    if t.backend == "local":
+        if t.nnodes * t.procs_per_node != 1:
+            raise ValueError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
+                             "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
+        import torch
+
+        # As many threads as a Ray rank would get. torch._C's builtin, because a vLLM CPU engine started
+        # earlier in this process replaces torch.set_num_threads with a no-op that only logs a warning.
+        torch._C.set_num_threads(max(1, int(t.cpus_per_proc)))
+        return LocalWorkerGroup(worker), None
+    from rlcore.single_controller import RayResourcePool, RayWorkerGroup
+
+    init_ray(cfg)
+    pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=resolve_device(t.device) == "cuda",
+                           num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}{suffix}")
+    return RayWorkerGroup(pool, worker, name_prefix=f"{t.project}{suffix}"), pool
 
 
 # ----------------------------------------------------------------------------- data
