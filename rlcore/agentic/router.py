@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from rlcore.trainer.dataset import collate_prompts
 from rlcore.workers.rollout.base import SamplingSettings
 
 POLICIES = ("least_loaded", "round_robin")
@@ -168,16 +169,11 @@ class SessionRouter:
         engine = self.engines.get(index)
         if engine is None:
             return None
-        width = max(len(ids) for ids in contexts)
-        input_ids = torch.full((len(contexts), width), getattr(engine, "pad_token_id", 0) or 0, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for row, ids in enumerate(contexts):
-            input_ids[row, width - len(ids):] = torch.tensor([int(t) for t in ids])
-            mask[row, width - len(ids):] = 1
-        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        batch, _ = collate_prompts([{"input_ids": torch.tensor([int(t) for t in ids])} for ids in contexts],
+                                   getattr(engine, "pad_token_id", 0) or 0)
         try:
             with self._engine_locks[index]:
-                gen = engine.generate(input_ids, mask, positions, settings)
+                gen = engine.generate(batch["input_ids"], batch["attention_mask"], batch["position_ids"], settings)
         except Exception as exc:  # noqa: BLE001 - the caller fails over or re-raises it
             return exc
         if gen.responses.shape[0] != len(contexts):
