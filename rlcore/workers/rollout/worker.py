@@ -157,9 +157,10 @@ class RolloutWorker(Worker):
 
         meta = tasks.meta_info
         missing = [k for k in ("env", "max_turns", "max_total_tokens") if k not in meta]
-        if missing or "task" not in tasks.non_tensor_batch:
-            raise KeyError(f"generate_multi_turn needs meta_info {missing} and a non-tensor 'task' column"
-                           if missing else "generate_multi_turn needs a non-tensor 'task' column (env.reset kwargs)")
+        if missing:
+            raise KeyError(f"generate_multi_turn needs meta_info {missing}")
+        if "task" not in tasks.non_tensor_batch:
+            raise KeyError("generate_multi_turn needs a non-tensor 'task' column (env.reset kwargs)")
         tokenizer = self._tokenizer()
         env_factory = functools.partial(make_env, meta["env"], tokenizer, **dict(meta.get("env_kwargs") or {}))
         rollout = MultiTurnRollout(self._require_backend(), tokenizer, env_factory, int(meta["max_turns"]),
