@@ -45,9 +45,9 @@ def run_rlcore(args) -> dict:
     from rlcore.protocol import DataProto
     from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls
     from rlcore.trainer.core_algos import compute_grpo_outcome_advantage
-    from rlcore.trainer.dataset import collate_prompts
+    from rlcore.data.dataset import collate_prompts
     from rlcore.workers.actor import ActorWorker
-    from rlcore.workers.reward import RuleRewardManager
+    from rlcore.rewards.manager import RuleRewardManager
     from rlcore.workers.rollout import RolloutWorker
 
     tok = AutoTokenizer.from_pretrained(args.model)

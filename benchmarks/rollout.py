@@ -36,7 +36,7 @@ def make_prompts(tokenizer, count: int, max_len: int, seed: int):
     import torch
 
     from rlcore.protocol import DataProto
-    from rlcore.trainer.dataset import collate_prompts
+    from rlcore.data.dataset import collate_prompts
 
     rng = np.random.default_rng(seed)
     alphabet = list("0123456789+-*= ")

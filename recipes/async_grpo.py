@@ -26,14 +26,14 @@ import numpy as np
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from recipes.sft import warm_start
 from rlcore.agentic import AsyncRolloutLoop, ReplayBuffer
 from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_rollout_group, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.workers.reward import RuleRewardManager
+from rlcore.rewards.manager import RuleRewardManager
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "replay", "trainer")
 register_schema("async_grpo_schema", SECTIONS)
@@ -60,11 +60,12 @@ def train(cfg: DictConfig) -> TrainingRun:
         with loop.paused():
             return validate(engine.rollout, val_batches, reward_fn)
 
-    run = TrainingRun(cfg, workers, loader, validate_between_generations)
-    engine.rollout.update_weights(workers.actor.get_full_state_dict.options(blocking=False)())  # resumed ones
-    prompts = (run.next_prompts() for _ in itertools.count())  # endless: the loader repeats the data
-    loop = AsyncRolloutLoop(engine.rollout, prompts, buffer, version=run.start_step).start()
-    try:
+    with TrainingRun(cfg, workers, loader, validate_between_generations) as run:
+        engine.rollout.update_weights(workers.actor.get_full_state_dict.options(blocking=False)())  # resumed ones
+        prompts = (run.next_prompts() for _ in itertools.count())  # endless: the loader repeats the data
+        run.on_close(engine.shutdown)
+        loop = AsyncRolloutLoop(engine.rollout, prompts, buffer, version=run.start_step).start()
+        run.on_close(loop.stop)
         for step in run.steps():
             with run.timer("wait_rollout"):
                 batch = loop.pop_batch(rows, timeout=cfg.replay.pop_timeout_s)
@@ -87,11 +88,6 @@ def train(cfg: DictConfig) -> TrainingRun:
             metrics.update({"replay/staleness_mean": float(np.mean(staleness)),
                             "replay/dropped_stale": buffer.num_dropped_stale, **loop.rollout_metrics})
             run.end_step(step, {**metrics, **batch_metrics(batch)}, batch)
-    finally:
-        loop.stop()
-        run.close()
-        engine.shutdown()
-        workers.shutdown()
     return run
 
 

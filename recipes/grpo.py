@@ -22,13 +22,13 @@ import hydra
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from recipes.sft import warm_start
 from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.workers.reward import RuleRewardManager
+from rlcore.rewards.manager import RuleRewardManager
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "trainer")
 register_schema("grpo_schema", SECTIONS)
@@ -44,8 +44,7 @@ def train(cfg: DictConfig) -> TrainingRun:
     use_old = needs_old_log_prob(cfg)  # not for a one-step update: its own log-probs are the old ones
     workers = build_workers(cfg, ["actor", "rollout"] + (["ref"] if use_ref else []))
     reward_fn = RuleRewardManager.from_config(cfg)
-    run = TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn))
-    try:
+    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn)) as run:
         for step in run.steps():
             prompts = run.next_prompts()
             with run.timer("gen"):
@@ -66,9 +65,6 @@ def train(cfg: DictConfig) -> TrainingRun:
             with run.timer("sync_weights"):
                 workers.rollout.sync_weights()
             run.end_step(step, {**metrics, **batch_metrics(batch)}, batch)
-    finally:
-        run.close()
-        workers.shutdown()
     return run
 
 

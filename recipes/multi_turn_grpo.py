@@ -21,14 +21,15 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
-from recipes.sft import warm_start
+from rlcore.agentic import EnvEpisodes
 from rlcore.protocol import DataProto
 from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.workers.reward import RuleRewardManager
+from rlcore.rewards.manager import RuleRewardManager
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "env", "trainer")
 register_schema("multi_turn_grpo_schema", SECTIONS)
@@ -39,10 +40,7 @@ def episode_tasks(prompts: DataProto, cfg: DictConfig) -> DataProto:
     columns = prompts.non_tensor_batch
     tasks = np.array([{"prompt": p, "answer": a} for p, a in zip(columns["raw_prompt"], columns["ground_truth"])],
                      dtype=object)
-    meta = {"env": cfg.env.name, "env_kwargs": OmegaConf.to_container(cfg.env.kwargs), "max_turns": cfg.env.max_turns,
-            "max_total_tokens": cfg.env.max_total_tokens}
-    return DataProto.from_dict(non_tensors={"task": tasks, "uid": columns["uid"]},
-                               meta_info=meta).repeat(cfg.rollout.n, interleave=True)
+    return DataProto.from_dict(non_tensors={"task": tasks, "uid": columns["uid"]}).repeat(cfg.rollout.n, interleave=True)
 
 
 def train(cfg: DictConfig) -> TrainingRun:
@@ -55,12 +53,13 @@ def train(cfg: DictConfig) -> TrainingRun:
     use_old = needs_old_log_prob(cfg)
     workers = build_workers(cfg, ["actor", "rollout"] + (["ref"] if use_ref else []))
     reward_fn = RuleRewardManager.from_config(cfg)  # for the single-turn validation
-    run = TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn))
-    try:
+    episodes = EnvEpisodes(cfg.env.name, OmegaConf.to_container(cfg.env.kwargs), cfg.env.max_turns,
+                           cfg.env.max_total_tokens)  # played on the rollout ranks
+    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn)) as run:
         for step in run.steps():
             tasks = episode_tasks(run.next_prompts(), cfg)
             with run.timer("gen"):
-                batch = workers.rollout.generate_multi_turn(tasks)
+                batch = workers.rollout.generate_episodes(tasks, episodes)
             if use_old:
                 with run.timer("old_log_prob"):
                     batch.union(workers.actor.compute_log_prob(batch))
@@ -79,9 +78,6 @@ def train(cfg: DictConfig) -> TrainingRun:
             metrics.update({"episode/reward_mean": float(scores.mean()), "episode/turns_mean": float(turns.mean()),
                             "episode/first_try_right": float(((turns == 1) & (scores > 0)).mean())})
             run.end_step(step, {**metrics, **batch_metrics(batch)}, batch)
-    finally:
-        run.close()
-        workers.shutdown()
     return run
 
 

@@ -23,13 +23,13 @@ import hydra
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from recipes.sft import warm_start
+from rlcore.algos.preference import best_worst_pairs
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
-from rlcore.trainer.preference import best_worst_pairs
+from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.workers.reward import RuleRewardManager
+from rlcore.rewards.manager import RuleRewardManager
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "trainer")
 register_schema("online_dpo_schema", SECTIONS)
@@ -46,8 +46,7 @@ def train(cfg: DictConfig) -> TrainingRun:
     workers = build_workers(cfg, ["actor", "rollout", "ref"])
     reward_fn = RuleRewardManager.from_config(cfg)
     dp_size = workers.actor.world_size
-    run = TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn))
-    try:
+    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn)) as run:
         for step in run.steps():
             prompts = run.next_prompts()
             with run.timer("gen"):
@@ -66,9 +65,6 @@ def train(cfg: DictConfig) -> TrainingRun:
                 with run.timer("sync_weights"):
                     workers.rollout.sync_weights()
             run.end_step(step, metrics, batch)
-    finally:
-        run.close()
-        workers.shutdown()
     return run
 
 

@@ -22,13 +22,13 @@ import hydra
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
-from recipes.sft import warm_start
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.workers.reward import RuleRewardManager
+from rlcore.rewards.manager import RuleRewardManager
 
 SECTIONS = ("model", "warmstart", "data", "actor", "critic", "rollout", "reward", "algorithm", "trainer")
 register_schema("ppo_schema", SECTIONS)
@@ -44,9 +44,8 @@ def train(cfg: DictConfig) -> TrainingRun:
     workers = build_workers(cfg, ["actor", "critic", "rollout"] + (["ref"] if use_ref else []))
     reward_fn = RuleRewardManager.from_config(cfg)
     kl_ctrl = build_kl_controller(cfg.algorithm)
-    run = TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn),
-                      state={"kl_ctrl": kl_ctrl})
-    try:
+    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn),
+                      state={"kl_ctrl": kl_ctrl}) as run:
         for step in run.steps():
             prompts = run.next_prompts()
             with run.timer("gen"):
@@ -70,9 +69,6 @@ def train(cfg: DictConfig) -> TrainingRun:
             with run.timer("sync_weights"):
                 workers.rollout.sync_weights()
             run.end_step(step, {**metrics, **batch_metrics(batch)}, batch)
-    finally:
-        run.close()
-        workers.shutdown()
     return run
 
 

@@ -8,19 +8,12 @@ rollout layout, so the actor's forward is reused unchanged), and takes one optim
 token-mean negative log-likelihood of those response tokens. Validation decodes greedily and scores
 with the reward function, exactly as the RL recipes validate, so the numbers compare.
 
-``warm_start(rl_cfg)`` is how the RL recipes get a policy that is sometimes right when
-``model.path`` is null: this recipe's defaults, on the RL recipe's data, for ``warmstart.steps``
-steps (a fixed budget rather than "until validation reaches x": the 80-prompt validation is noisy,
-and stopping on it picked warm starts of quite different maturity); the result is cached by config.
+The RL recipes get a policy that is sometimes right when ``model.path`` is null by running this
+recipe as a command, briefly, on their data (``rlcore.trainer.warmstart``).
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import shutil
-import time
 from pathlib import Path
 
 import hydra
@@ -28,19 +21,20 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoTokenizer
 
+from rlcore.algos.losses import LossScale, agg_loss
+from rlcore.algos.stats import masked_mean
+from rlcore.models.tiny import build_tiny_model
 from rlcore.protocol import DataProto
+from rlcore.rewards.manager import RuleRewardManager
 from rlcore.single_controller import Dispatch, register
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
-from rlcore.trainer.core_algos import agg_loss, masked_mean
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import mean_over_ranks, validate
 from rlcore.workers.actor import INPUT_KEYS, ActorWorker
-from rlcore.workers.reward import RuleRewardManager
 
 SECTIONS = ("model", "tiny_model", "data", "actor", "rollout", "reward", "trainer")
 register_schema("sft_schema", SECTIONS)
-CONFIG = Path(__file__).parent / "config" / "sft.yaml"
 
 
 class SFTWorker(ActorWorker):
@@ -50,10 +44,10 @@ class SFTWorker(ActorWorker):
     def train_sft(self, data: DataProto) -> dict[str, float]:
         return self.run_updates(data.select(batch_keys=INPUT_KEYS + ["response_mask"]), self._nll, prefix="sft")
 
-    def _nll(self, micro: DataProto, **counts) -> tuple[torch.Tensor, dict[str, float]]:
+    def _nll(self, micro: DataProto, scale: LossScale) -> tuple[torch.Tensor, dict[str, float]]:
         log_prob, _ = self._forward(micro)
         mask = micro.batch["response_mask"]
-        return agg_loss(-log_prob, mask, "token-mean", **counts), {"nll": masked_mean(-log_prob.detach(), mask).item()}
+        return agg_loss(-log_prob, mask, "token-mean", scale), {"nll": masked_mean(-log_prob.detach(), mask).item()}
 
 
 def sft_batch(prompts: DataProto, tokenizer) -> DataProto:
@@ -80,8 +74,6 @@ def train(cfg: DictConfig) -> TrainingRun:
     cfg = load_config(cfg, SECTIONS)
     run_dir = Path(cfg.trainer.output_dir) / cfg.trainer.project / cfg.trainer.run_name
     if cfg.model.path is None:  # a fresh tiny model, trained from scratch
-        from rlcore.models.tiny import build_tiny_model
-
         cfg.model.path = build_tiny_model(run_dir.resolve() / "init_model", **OmegaConf.to_container(cfg.tiny_model))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     loader, val_batches = build_data(cfg, tokenizer)
@@ -92,54 +84,14 @@ def train(cfg: DictConfig) -> TrainingRun:
         workers.rollout.sync_weights()  # greedy decoding with the weights trained so far
         return validate(workers.rollout, val_batches, reward_fn)
 
-    run = TrainingRun(cfg, workers, loader, validate_now)
-    try:
+    with TrainingRun(cfg, workers, loader, validate_now) as run:
         for step in run.steps():
             batch = sft_batch(run.next_prompts(), tokenizer)
             with run.timer("update_actor"):
                 metrics = mean_over_ranks(workers.actor.train_sft(batch))
             run.end_step(step, metrics, batch)
         workers.actor.export_hf(str(run.dir / "hf"))
-    finally:
-        run.close()
-        workers.shutdown()
     return run
-
-
-def warm_start(rl_cfg: DictConfig) -> str:
-    """The HF directory of the RL recipes' default starting policy, built on first use.
-
-    The SFT config is sft.yaml with the RL run's data, placement and warm-start settings; a hash
-    of it names the cache folder, so recipes with the same data share one warm start.
-    """
-    cfg = OmegaConf.load(CONFIG)
-    for hydra_key in ("defaults", "hydra"):
-        cfg.pop(hydra_key)
-    placement = ("backend", "device", "nnodes", "procs_per_node", "cpus_per_proc", "ray_num_cpus")
-    cfg.data = rl_cfg.data
-    cfg.trainer.total_steps = rl_cfg.warmstart.steps
-    what = OmegaConf.to_container(cfg, resolve=True)
-    what["trainer"] = {k: v for k, v in what["trainer"].items() if k not in placement}  # where, not what
-    key = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
-    folder = Path(rl_cfg.warmstart.dir).resolve() / key
-    marker = folder / "warmstart.json"
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f"{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # two recipes started together build it once
-        if not marker.exists():
-            for k in placement:
-                cfg.trainer[k] = rl_cfg.trainer[k]
-            cfg.trainer.update(output_dir=str(folder), project="sft", run_name="run", save_freq=0, resume="disable")
-            print(f"warm start: {cfg.trainer.total_steps} SFT steps of a tiny model -> {folder}")
-            shutil.rmtree(folder, ignore_errors=True)  # a build that died midway left no marker
-            start = time.perf_counter()
-            run = train(cfg)
-            info = {"model_dir": str(run.dir / "hf"), "val_reward": run.last_val["val/reward_mean"],
-                    "seconds": round(time.perf_counter() - start, 1)}
-            marker.write_text(json.dumps(info) + "\n")  # last: marks the warm start complete
-    info = json.loads(marker.read_text())
-    print(f"warm start: {info['model_dir']} (greedy val reward {info['val_reward']:.3f})", flush=True)
-    return info["model_dir"]
 
 
 @hydra.main(config_path="config", config_name="sft", version_base=None)

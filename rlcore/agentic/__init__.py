@@ -9,11 +9,11 @@
 """
 
 from rlcore.agentic.env import Env, GuessNumberEnv, StepResult, make_env, register_env
-from rlcore.agentic.multi_turn import MultiTurnRollout
+from rlcore.agentic.multi_turn import EnvEpisodes, MultiTurnRollout
 from rlcore.agentic.replay_buffer import AsyncRolloutLoop, ReplayBuffer, importance_weights
 from rlcore.agentic.router import SessionRouter, TurnOutput
 
 __all__ = [
-    "AsyncRolloutLoop", "Env", "GuessNumberEnv", "MultiTurnRollout", "ReplayBuffer", "SessionRouter", "StepResult",
+    "AsyncRolloutLoop", "Env", "EnvEpisodes", "GuessNumberEnv", "MultiTurnRollout", "ReplayBuffer", "SessionRouter", "StepResult",
     "TurnOutput", "importance_weights", "make_env", "register_env",
 ]

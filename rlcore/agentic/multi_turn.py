@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlcore.agentic.env import Env
+from rlcore.agentic.env import Env, make_env
 from rlcore.agentic.router import SessionRouter
+from rlcore.data.dataset import collate_prompts
+from rlcore.engines.base import Engine, Generation, SamplingSettings
 from rlcore.protocol import DataProto
-from rlcore.trainer.dataset import collate_prompts
-from rlcore.workers.rollout.base import Generation, SamplingSettings
 
 GenerateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SamplingSettings], Generation]
 
@@ -59,7 +59,7 @@ class _Episode:
 class MultiTurnRollout:
     """Run episodes of ``env_factory()`` envs against a rollout engine.
 
-    ``engine``: a rollout backend (``HFRollout``, ``VLLMRollout``: anything with ``.generate``), a
+    ``engine``: a generation engine (``HFEngine``, ``VLLMEngine``: anything with ``.generate``), a
     plain function with the same signature, ``(input_ids, attention_mask, position_ids,
     settings) -> Generation`` on left-padded contexts, or a ``SessionRouter`` over several
     engines: each episode is then a session whose every turn runs on one engine (prefix-cache
@@ -72,7 +72,7 @@ class MultiTurnRollout:
         if not isinstance(engine, SessionRouter):
             generate = getattr(engine, "generate", engine)
             if not callable(generate):
-                raise TypeError(f"engine must be a rollout backend, a generate function or a SessionRouter, "
+                raise TypeError(f"engine must be a generation engine, a generate function or a SessionRouter, "
                                 f"got {type(engine).__name__}")
         if max_turns < 1 or max_total_tokens < 2:
             raise ValueError(f"need max_turns >= 1 and max_total_tokens >= 2, got {max_turns}, {max_total_tokens}")
@@ -196,3 +196,35 @@ class _Engine:
 
     def __init__(self, generate: GenerateFn, pad_token_id: int) -> None:
         self.generate, self.pad_token_id = generate, pad_token_id
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvEpisodes:
+    """The rollout worker's ``EpisodeRunner`` for registered envs: one ``MultiTurnRollout`` episode
+    per task row on the rank's engine. Plain data, so the driver builds it and every rank gets a copy.
+
+    Rows: non-tensor ``task`` (the ``env.reset`` keyword arguments, a dict) and optionally ``seed``;
+    other non-tensor columns (e.g. ``uid``) are carried over. Output: the single-turn layout,
+    ``response_mask`` 1 only on the policy's tokens, the episode's reward on its last model token
+    (``token_level_scores``), ``num_turns``, ``truncated``.
+    """
+
+    env: str  # a registered env name
+    env_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)  # its constructor arguments
+    max_turns: int = 3
+    max_total_tokens: int = 64
+
+    def run(self, engine: Engine, tokenizer: Any, tasks: DataProto, settings: SamplingSettings) -> DataProto:
+        columns = tasks.non_tensor_batch
+        if "task" not in columns:
+            raise KeyError("EnvEpisodes needs a non-tensor 'task' column (env.reset kwargs)")
+
+        def env_factory() -> Env:
+            return make_env(self.env, tokenizer, **dict(self.env_kwargs))
+
+        rollout = MultiTurnRollout(engine, tokenizer, env_factory, self.max_turns, self.max_total_tokens, settings)
+        seeds = [int(s) for s in columns["seed"]] if "seed" in columns else None
+        out = rollout.run([dict(t) for t in columns["task"]], seeds=seeds)
+        for key, values in columns.items():
+            out.non_tensor_batch.setdefault(key, values)
+        return out

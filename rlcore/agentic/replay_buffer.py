@@ -38,55 +38,10 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from rlcore.algos.importance import compute_is_weights
+from rlcore.engines.layout import pad_rollout, trim_padding, widths
 from rlcore.protocol import DataProto
-from rlcore.trainer import core_algos
-
-_FULL_KEYS = ("input_ids", "attention_mask", "position_ids")  # prompt ++ response
-_TOKEN_KEYS = ("prompts", "responses", "input_ids")  # padded with the pad token, the rest with 0
-
-
-def _widths(data: DataProto) -> tuple[int, int]:
-    t_r = data.batch["responses"].shape[1]
-    return data.batch["input_ids"].shape[1] - t_r, t_r
-
-
-def pad_rollout(data: DataProto, t_p: int, t_r: int, pad_token_id: int) -> DataProto:
-    """``data`` with prompt width ``t_p`` and response width ``t_r`` (smaller values crop padding)."""
-    p0, r0 = _widths(data)
-    dp, dr = t_p - p0, t_r - r0
-    if dp == dr == 0:
-        return data
-    tensors = {}
-    for key, value in data.batch.items():
-        fill = pad_token_id if key in _TOKEN_KEYS else 0
-        if value.ndim == 1:
-            tensors[key] = value
-        elif value.ndim != 2:
-            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}; the buffer pads only (B,) or (B, T)")
-        elif key == "prompts":
-            tensors[key] = F.pad(value, (dp, 0), value=fill)
-        elif key in _FULL_KEYS:
-            tensors[key] = F.pad(value, (dp, dr), value=fill)
-        elif value.shape[1] == r0:
-            tensors[key] = F.pad(value, (0, dr), value=fill)
-        else:
-            raise ValueError(f"batch[{key!r}] has width {value.shape[1]}: neither the response width {r0} "
-                             f"nor a prompt/full-sequence key {('prompts', *_FULL_KEYS)}")
-    return DataProto.from_dict(tensors, data.non_tensor_batch, data.meta_info)
-
-
-def _trim(data: DataProto, pad_token_id: int) -> DataProto:
-    """Drop prompt columns that are padding in every row, and response columns likewise."""
-    t_p, _ = _widths(data)
-    mask = data.batch["attention_mask"].bool()
-    prompt_used = mask[:, :t_p].any(0).nonzero()
-    response_used = mask[:, t_p:].any(0).nonzero()
-    new_p = t_p - int(prompt_used[0]) if len(prompt_used) else 0
-    new_r = int(response_used[-1]) + 1 if len(response_used) else 1
-    return pad_rollout(data, new_p, new_r, pad_token_id)
-
 
 class ReplayBuffer:
     """Rows in insertion order (FIFO beyond ``capacity``), each tagged with its ``policy_version``.
@@ -123,7 +78,7 @@ class ReplayBuffer:
             if set(new.batch.keys()) != set(self._data.batch.keys()):
                 raise KeyError(f"batch keys {sorted(new.batch.keys())} differ from the buffer's "
                                f"{sorted(self._data.batch.keys())}")
-            (p0, r0), (p1, r1) = _widths(self._data), _widths(new)
+            (p0, r0), (p1, r1) = widths(self._data), widths(new)
             t_p, t_r = max(p0, p1), max(r0, r1)
             new = DataProto.concat([pad_rollout(self._data, t_p, t_r, self.pad_token_id),
                                     pad_rollout(new, t_p, t_r, self.pad_token_id)])
@@ -152,13 +107,13 @@ class ReplayBuffer:
     def sample(self, n: int, current_version: int, rng: np.random.Generator) -> DataProto:
         """``n`` distinct fresh rows drawn uniformly; they stay in the buffer (replay)."""
         self._require(n, current_version)
-        return _trim(self._data[rng.choice(len(self), size=n, replace=False)], self.pad_token_id)
+        return trim_padding(self._data[rng.choice(len(self), size=n, replace=False)], self.pad_token_id)
 
     def pop_batch(self, n: int, current_version: int) -> DataProto:
         """The ``n`` oldest fresh rows, removed from the buffer (each row trained on once)."""
         self._require(n, current_version)
         out, self._data = self._data[:n], self._data[n:]
-        return _trim(out, self.pad_token_id)
+        return trim_padding(out, self.pad_token_id)
 
     def _require(self, n: int, current_version: int) -> None:
         self.drop_stale(current_version)
@@ -170,7 +125,7 @@ class ReplayBuffer:
 def importance_weights(batch: DataProto, current_log_probs: torch.Tensor, cap: float = 2.0,
                        level: str = "token") -> tuple[torch.Tensor, dict[str, float]]:
     """Truncated IS weights pi_current / pi_behaviour for buffer rows (see the module docstring)."""
-    weights, metrics = core_algos.compute_is_weights(
+    weights, metrics = compute_is_weights(
         old_log_prob=current_log_probs, rollout_log_probs=batch.batch["rollout_log_probs"],
         response_mask=batch.batch["response_mask"], cap=cap, level=level)
     return weights, metrics

@@ -12,7 +12,7 @@ is being drained) its sessions are re-homed at once; they lose their cache, not 
 the engines at the same time.
 
 An engine is anything with a rollout backend's ``generate(input_ids, attention_mask,
-position_ids, settings) -> Generation`` (``HFRollout``, ``VLLMRollout``). The HF backend keeps no
+position_ids, settings) -> Generation`` (``HFEngine``, ``VLLMEngine``). The HF backend keeps no
 cache between calls, so with it stickiness only decides where work runs. Calls on one engine are
 serialised (a backend is not safe to call from two threads at once); calls on different engines
 may run concurrently from different threads.
@@ -27,8 +27,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from rlcore.trainer.dataset import collate_prompts
-from rlcore.workers.rollout.base import SamplingSettings
+from rlcore.data.dataset import collate_prompts
+from rlcore.engines.base import SamplingSettings
 
 POLICIES = ("least_loaded", "round_robin")
 

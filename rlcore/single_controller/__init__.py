@@ -4,6 +4,8 @@ Ray is imported only when a Ray class is asked for, so the in-process group work
 installed (e.g. the GPU check machine).
 """
 
+import importlib
+
 from rlcore.single_controller.decorator import CallContext, Dispatch, DispatchMode, Execute, mesh_dispatch, register
 from rlcore.single_controller.local import LocalWorkerGroup
 from rlcore.single_controller.worker import Worker
@@ -28,8 +30,6 @@ _RAY_NAMES = {
 
 def __getattr__(name: str):
     if name in _RAY_NAMES:
-        import importlib
-
         return getattr(importlib.import_module(_RAY_NAMES[name]), name)
     raise AttributeError(f"module 'rlcore.single_controller' has no attribute {name!r}")
 

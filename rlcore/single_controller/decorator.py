@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import functools
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -56,6 +57,25 @@ class DispatchMode:
     name: str = "custom"
 
 
+class Deferred(ABC):
+    """A pending result of another group's call (``GroupFuture`` is the one implementation) as the
+    dispatch functions see it. Declared here, where it is consumed, so that this module needs
+    nothing from the group module that implements it."""
+
+    @property
+    @abstractmethod
+    def single_result_ref(self) -> Any:
+        """An object ref every rank can read (a pending rank-0 result), or None."""
+
+    @abstractmethod
+    def get(self) -> Any:
+        """Wait for the result and collect it."""
+
+    @abstractmethod
+    def split_for(self, ctx: "CallContext", world_size: int, what: str) -> list:
+        """Per-rank parts of the DataProto result, for a consumer call of ``world_size`` ranks."""
+
+
 # ------------------------------------------------------------------ built-in dispatch / collect
 def _one_to_all(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
     args = tuple(_broadcastable(ctx, a) for a in args)
@@ -65,9 +85,7 @@ def _one_to_all(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple
 
 def _broadcastable(ctx: CallContext, value: Any) -> Any:
     """A future of another group's RANK_ZERO result reaches every rank straight from Ray's object store."""
-    from rlcore.single_controller.worker_group import GroupFuture  # local import: no cycle at load
-
-    if not isinstance(value, GroupFuture):
+    if not isinstance(value, Deferred):
         return value
     if value.single_result_ref is not None and ctx.group.passes_object_refs:
         return value.single_result_ref
@@ -103,9 +121,7 @@ _collect_first.returns_rank_zero = True  # a future of it can be broadcast as on
 
 def split_for_ranks(ctx: CallContext, value: Any, world_size: int, what: str) -> list:
     """Split one DataProto (or a future of one) into ``world_size`` parts, padding if allowed."""
-    from rlcore.single_controller.worker_group import GroupFuture  # local import: no cycle at load
-
-    if isinstance(value, GroupFuture):
+    if isinstance(value, Deferred):
         return value.split_for(ctx, world_size, what)
     if not isinstance(value, DataProto):
         return [value] * world_size

@@ -7,12 +7,14 @@ worker is constructed. The same class therefore runs in-process (world size 1) o
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rlcore.protocol import DataProto
 
@@ -51,9 +53,6 @@ class Worker:
 
     def init_distributed(self, backend: str | None = None, timeout_s: float = 600) -> None:
         """Join the group's torch.distributed process group (gloo on CPU, nccl on GPU); idempotent."""
-        import datetime
-
-        import torch.distributed as dist
 
         if self.world_size > 1 and self._in_process:
             raise RuntimeError(
@@ -100,7 +99,7 @@ class RemoteChunk:
     pad_size: int = 0
 
     def resolve(self) -> DataProto:
-        import ray
+        import ray  # optional dependency: only Ray-hosted workers get here
 
         full = DataProto.concat(ray.get(self.refs)).unpad(self.pad_size)
         padded, _ = full.pad_to_divisor(self.parts)
@@ -115,7 +114,7 @@ def free_port() -> int:
 
 def node_ip() -> str:
     try:
-        import ray
+        import ray  # optional dependency: only Ray-hosted workers get here
 
         if ray.is_initialized():
             return ray.util.get_node_ip_address()
@@ -160,7 +159,7 @@ class WorkerHost:
 
 def _node_id() -> str | None:
     try:
-        import ray
+        import ray  # optional dependency: only Ray-hosted workers get here
 
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except Exception:  # noqa: BLE001

@@ -11,7 +11,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlcore.single_controller.decorator import REGISTER_ATTR, CallContext, Execute, split_for_ranks
+from rlcore.single_controller.decorator import REGISTER_ATTR, CallContext, Deferred, Execute, split_for_ranks
+from rlcore.single_controller.worker import RemoteChunk
 
 DEFAULT_ROLE = "default"
 
@@ -74,7 +75,7 @@ class MethodSpec:
     pad: bool
 
 
-class GroupFuture:
+class GroupFuture(Deferred):
     """Result of a non-blocking group call. ``get()`` waits; passing it to another group's DP method
     hands the per-rank results over without pulling them through the driver where Ray allows it."""
 
@@ -110,8 +111,6 @@ class GroupFuture:
                     ctx.scratch[key] = self.ctx.scratch[key]
             return list(self.handles)
         if refs_shareable and not ctx.pad and not self.ctx.scratch.get("pad_size"):
-            from rlcore.single_controller.worker import RemoteChunk
-
             return [RemoteChunk(list(self.handles), i, world_size) for i in range(world_size)]
         return split_for_ranks(ctx, self.get(), world_size, what)
 

@@ -1,7 +1,7 @@
 """The driver-side step between scoring and the update: rewards (scores minus an optional KL
 penalty), then advantages and returns from the configured estimator.
 
-Estimators in ``core_algos``' registry take different inputs (GAE needs values, GRPO the prompt
+Estimators in ``rlcore.algos.advantages``' registry take different inputs (GAE needs values, GRPO the prompt
 ``uid`` groups, ReMax a baseline reward). ``compute_advantage`` offers each one what the batch and
 ``algorithm`` config hold, by parameter name, so a newly registered estimator works from config
 alone; a required input the batch lacks is an error naming it.
@@ -15,13 +15,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from rlcore.protocol import DataProto
-from rlcore.trainer.core_algos import (
-    AdaptiveKLController,
-    FixedKLController,
-    apply_kl_penalty,
-    get_advantage_estimator,
-    get_kl_controller,
-)
+from rlcore.algos.advantages import get_advantage_estimator
+from rlcore.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, get_kl_controller
 
 
 def needs_old_log_prob(cfg: DictConfig) -> bool:

@@ -31,10 +31,16 @@ from typing import Any
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+import torch
+
+from rlcore.data.arithmetic import make_split, write_jsonl
+from rlcore.data.dataset import PromptDataset, PromptLoader, collate_prompts
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
 from rlcore.trainer.config import to_plain
-from rlcore.trainer.dataset import PromptDataset, PromptLoader, collate_prompts
+from rlcore.workers.actor import ActorWorker
+from rlcore.workers.critic import CriticWorker
+from rlcore.workers.rollout import RolloutWorker
 
 ROLES = ("actor", "ref", "critic", "rollout")  # also the order in which they are initialised
 BACKENDS = ("ray", "local")
@@ -67,10 +73,6 @@ class Workers:
 
 
 def _role_class(role: str, config: dict, classes: Mapping[str, type]) -> ClassWithInitArgs:
-    from rlcore.workers.actor import ActorWorker
-    from rlcore.workers.critic import CriticWorker
-    from rlcore.workers.rollout import RolloutWorker
-
     if role in classes:
         return ClassWithInitArgs(classes[role], config)
     if role in ("actor", "ref"):
@@ -80,7 +82,7 @@ def _role_class(role: str, config: dict, classes: Mapping[str, type]) -> ClassWi
 
 def init_ray(cfg: DictConfig) -> None:
     """Start a local Ray instance unless this process is already connected to one."""
-    import ray
+    import ray  # optional dependency: trainer.backend=local runs without it (the GPU check machine has none)
 
     if not ray.is_initialized():
         ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, configure_logging=False,
@@ -88,8 +90,6 @@ def init_ray(cfg: DictConfig) -> None:
 
 
 def resolve_device(name: str) -> str:
-    import torch
-
     if name not in ("cpu", "cuda", "auto"):
         raise ValueError(f"trainer.device must be 'cpu', 'cuda' or 'auto', got {name!r}")
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
@@ -142,13 +142,11 @@ def _placed_group(cfg: DictConfig, worker: Any, suffix: str = "") -> tuple[Worke
         if t.nnodes * t.procs_per_node != 1:
             raise ValueError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
                              "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
-        import torch
-
         # As many threads as a Ray rank would get. torch._C's builtin, because a vLLM CPU engine started
         # earlier in this process replaces torch.set_num_threads with a no-op that only logs a warning.
         torch._C.set_num_threads(max(1, int(t.cpus_per_proc)))
         return LocalWorkerGroup(worker), None
-    from rlcore.single_controller import RayResourcePool, RayWorkerGroup
+    from rlcore.single_controller import RayResourcePool, RayWorkerGroup  # optional dependency: Ray
 
     init_ray(cfg)
     pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=resolve_device(t.device) == "cuda",
@@ -159,8 +157,6 @@ def _placed_group(cfg: DictConfig, worker: Any, suffix: str = "") -> tuple[Worke
 # ----------------------------------------------------------------------------- data
 def _arithmetic_files(cfg: DictConfig) -> tuple[str, str]:
     """The arithmetic train/val split of ``data.arithmetic``, written once per setting."""
-    from rlcore.data.arithmetic import make_split, write_jsonl
-
     spec = OmegaConf.to_container(cfg.data.arithmetic)
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(cfg.trainer.output_dir) / "data" / f"arithmetic-{key}"

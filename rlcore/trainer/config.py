@@ -1,35 +1,44 @@
-"""Recipe configs: every section a recipe reads, its defaults, and a strict check of the keys.
+"""The one config model of a run: every section a recipe can set is a typed dataclass, checked here.
 
-A recipe's YAML (``recipes/config/<name>.yaml``) is composed by Hydra with the command-line
-overrides, then ``load_config`` merges it over the defaults of the sections that recipe declares.
-A key that no section knows is an error naming it (``actor.lrr``, ``foo``), before anything slow
-starts: a typo must not silently train with a default. Hydra itself already refuses an override of
-a key missing from the YAML (``foo.bar=1``); this catches the rest (``+foo.bar=1``, a custom YAML).
+The sections and where their dataclasses live (each next to the code that reads it):
 
-Where the defaults live:
-- worker sections (``model``, ``actor``, ``critic``, ``rollout``, ``reward``) take the tables the
-  workers declare (``ACTOR_DEFAULTS``, ``RolloutConfig``, ...), so each key is documented once, in
-  the worker's module docstring; the workers check the values when they are built;
-- the recipes' own sections (``trainer``, ``data``, ``algorithm``, ``warmstart``, ``tiny_model``,
-  ``replay``, ``env``)
-  are the dataclasses below, typed, so ``trainer.total_steps=abc`` fails at once.
+    section      dataclass                          layer
+    model        ModelConfig                        rlcore.models
+    tiny_model   TinyModelConfig                    rlcore.models
+    rollout      RolloutConfig                      rlcore.engines
+    actor        ActorConfig (a PolicyLossConfig)   rlcore.workers
+    critic       CriticConfig                       rlcore.workers
+    reward_model RewardModelConfig                  rlcore.workers
+    reward       RewardConfig                       rlcore.rewards
+    trainer, data, algorithm, warmstart, replay, env   below, in this module
+
+A recipe's YAML (``recipes/config/<name>.yaml``) composes ``base.yaml`` and the recipe's schema
+(``register_schema``: every key of its sections, with its default) through Hydra's ``defaults:``,
+so ``python -m recipes.grpo --cfg job`` prints every key and Hydra refuses an unknown override by
+name. ``load_config`` then checks the composed config: an unknown section or key, a value of the
+wrong type (``actor.lr=abc``, ``rollout.do_sample=maybe``) or out of range is one ``ConfigError``
+naming ``section.key`` and what was expected, before anything slow starts.
 
 The result is an OmegaConf struct config: reading a misspelt key in code fails too.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 
+from rlcore.engines.base import RolloutConfig
+from rlcore.models.config import ModelConfig, TinyModelConfig
+from rlcore.rewards.manager import RewardConfig
+from rlcore.typed_config import ConfigError, merge_section, section_schema, to_section
+from rlcore.workers.config import ActorConfig, CriticConfig
+from rlcore.workers.reward_model import RewardModelConfig
 
-class ConfigError(ValueError):
-    """A config key no section knows, or a value of the wrong type."""
+__all__ = ["ConfigError", "SECTIONS", "load_config", "register_schema", "to_plain"]
 
 
 @dataclass
@@ -53,6 +62,19 @@ class TrainerConfig:
     run_name: str = "default"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     seed: int = 1  # driver RNG (python, numpy, torch)
+
+    def __post_init__(self) -> None:
+        for key, allowed in (("backend", ("ray", "local")), ("device", ("cpu", "cuda", "auto"))):
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"trainer.{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        for key in ("nnodes", "procs_per_node", "total_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
+        if self.cpus_per_proc <= 0:
+            raise ValueError(f"trainer.cpus_per_proc must be > 0, got {self.cpus_per_proc}")
+        if self.backend == "local" and self.nnodes * self.procs_per_node != 1:
+            raise ValueError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
+                             "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
 
 
 @dataclass
@@ -105,27 +127,14 @@ class AlgorithmConfig:
 
 
 @dataclass
-class TinyModelConfig:
-    """A model built from scratch when ``model.path`` is null (``rlcore.models.tiny``)."""
-
-    preset: str = "tiny"
-    arch: str = "llama"
-    hidden_size: int = 256
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 32
-    intermediate_size: int | None = None
-    seed: int = 0
-
-
-@dataclass
 class WarmStartConfig:
-    """The starting policy of RL recipes when ``model.path`` is null: the SFT recipe run briefly
-    (recipes/config/sft.yaml on this recipe's data), to a policy that is sometimes right; cached."""
+    """The starting policy of RL recipes when ``model.path`` is null (``rlcore.trainer.warmstart``):
+    the SFT recipe run briefly on this recipe's data, to a policy that is sometimes right; cached."""
 
-    dir: str = "outputs/warmstart"
+    dir: str = "outputs/warmstart"  # cache folder, one subfolder per (recipe, steps, data)
     steps: int = 60  # SFT steps: ~10-20% greedy accuracy on the default arithmetic task
+    recipe: str = "recipes.sft"  # the module run as ``python -m <recipe>`` to build it
+    timeout_s: float = 1800.0  # the warm start fails if it takes longer
 
 
 @dataclass
@@ -147,64 +156,45 @@ class EnvConfig:
     max_total_tokens: int = 64  # prompt + all turns of an episode at most
 
 
-RECIPE_SECTIONS: dict[str, type] = {
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "tiny_model": TinyModelConfig,
+    "rollout": RolloutConfig,
+    "actor": ActorConfig,
+    "critic": CriticConfig,
+    "reward_model": RewardModelConfig,
+    "reward": RewardConfig,
     "trainer": TrainerConfig,
     "data": DataConfig,
     "algorithm": AlgorithmConfig,
-    "tiny_model": TinyModelConfig,
     "warmstart": WarmStartConfig,
     "replay": ReplayConfig,
     "env": EnvConfig,
 }
 
 
-def worker_section_defaults() -> dict[str, dict[str, Any]]:
-    """The worker-owned sections and their defaults, as the workers declare them."""
-    from rlcore.workers.actor import ACTOR_DEFAULTS
-    from rlcore.workers.critic import CRITIC_DEFAULTS
-    from rlcore.workers.fsdp_utils import MODEL_DEFAULTS
-    from rlcore.workers.reward import REWARD_DEFAULTS
-    from rlcore.workers.rollout.base import RolloutConfig
-
-    rollout = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
-    rollout = {k: list(v) if isinstance(v, tuple) else v for k, v in rollout.items()}
-    return {"model": MODEL_DEFAULTS, "actor": ACTOR_DEFAULTS, "critic": CRITIC_DEFAULTS,
-            "rollout": rollout, "reward": REWARD_DEFAULTS}
-
-
-def _section_schema(name: str, worker_defaults: dict[str, dict[str, Any]]) -> DictConfig:
-    if name in RECIPE_SECTIONS:
-        return OmegaConf.structured(RECIPE_SECTIONS[name])
-    schema = OmegaConf.create(dict(worker_defaults[name]))
-    OmegaConf.set_struct(schema, True)
-    for key, value in worker_defaults[name].items():
-        if isinstance(value, Mapping):  # a free-form mapping (e.g. reward.reward_kwargs): any keys
-            OmegaConf.set_struct(schema[key], False)
-    return schema
+def _known(sections: Sequence[str]) -> None:
+    bad = sorted(set(sections) - set(SECTIONS))
+    if bad:
+        raise ConfigError(f"no such config section(s) {bad}; known: {sorted(SECTIONS)}")
 
 
 def register_schema(name: str, sections: Sequence[str]) -> None:
     """Store the defaults of ``sections`` in Hydra's ConfigStore as ``name``.
 
-    A recipe YAML that starts with ``defaults: [<name>, _self_]`` then composes over every known key,
-    so any of them can be overridden on the command line, and Hydra refuses an unknown one by name.
+    A recipe YAML that starts with ``defaults: [<name>, base, _self_]`` then composes over every
+    known key, so any of them can be overridden on the command line, and Hydra refuses an unknown
+    one by name.
     """
-    from hydra.core.config_store import ConfigStore
-
-    worker_defaults = worker_section_defaults()
-    ConfigStore.instance().store(name=name, node={s: _section_schema(s, worker_defaults) for s in sections})
+    _known(sections)
+    ConfigStore.instance().store(name=name, node={s: section_schema(SECTIONS[s]) for s in sections})
 
 
 def load_config(cfg: DictConfig | Mapping, sections: Sequence[str]) -> DictConfig:
-    """``cfg`` merged over the defaults of ``sections``; unknown sections or keys raise ConfigError.
-
-    Hydra's own ``hydra`` node, if present, is dropped. Returns a resolved struct config.
-    """
-    worker_defaults = worker_section_defaults()
-    known = set(RECIPE_SECTIONS) | set(worker_defaults)
-    bad = sorted(set(sections) - known)
-    if bad:
-        raise ConfigError(f"no such config section(s) {bad}; known: {sorted(known)}")
+    """``cfg`` merged over the defaults of ``sections``, every value typed and checked; anything
+    wrong raises ``ConfigError`` naming it. Hydra's own ``hydra``/``defaults`` nodes are dropped.
+    Returns a resolved struct config."""
+    _known(sections)
     given = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
     given = OmegaConf.to_container(given, resolve=False)
     for hydra_key in ("hydra", "defaults"):  # present when a recipe YAML is loaded without Hydra
@@ -215,16 +205,8 @@ def load_config(cfg: DictConfig | Mapping, sections: Sequence[str]) -> DictConfi
         raise ConfigError(f"unknown config key(s) {unknown}: this recipe reads the sections {list(sections)}")
     merged = {}
     for name in sections:
-        schema = _section_schema(name, worker_defaults)
-        value = given.get(name) or {}
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"config section {name!r} must be a mapping, got {value!r}")
-        try:
-            merged[name] = OmegaConf.merge(schema, value)
-        except OmegaConfBaseException as exc:
-            key = getattr(exc, "full_key", None) or "?"
-            reason = str(exc).splitlines()[0]  # OmegaConf appends full_key/object_type lines
-            raise ConfigError(f"config key {name}.{key}: {reason}") from None
+        merged[name] = merge_section(SECTIONS[name], given.get(name), name)
+        to_section(SECTIONS[name], merged[name], name)  # the dataclass's own checks (ranges, choices)
     out = OmegaConf.create(merged)
     OmegaConf.set_struct(out, True)
     return out

@@ -13,11 +13,15 @@ and does, around the recipe's own work:
   run logged after that checkpoint are dropped from metrics.jsonl, since those steps run again;
 - validation before training, every ``trainer.val_freq`` steps and after the last step;
 - per-step timing (``timing_s/<stage>`` from ``with run.timer("stage")``), tokens per second, and a
-  checkpoint every ``trainer.save_freq`` steps.
+  checkpoint every ``trainer.save_freq`` steps;
+- teardown: used as a context manager (``with TrainingRun(...) as run:``) it closes the loggers and
+  shuts the workers down however the block ends, after whatever the recipe handed to
+  ``run.on_close`` (a producer thread, a second worker group), latest first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -30,7 +34,7 @@ from omegaconf import DictConfig
 
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
-from rlcore.trainer.dataset import PromptLoader
+from rlcore.data.dataset import PromptLoader
 from rlcore.trainer.run_checkpoint import (
     load_run_state,
     prune_checkpoints,
@@ -69,8 +73,11 @@ class TrainingRun:
         self.start_step = self._resume()
         if self.start_step:
             truncate_jsonl_after(self.dir / "metrics.jsonl", self.start_step)
+        self._teardown = contextlib.ExitStack()
+        self._teardown.callback(workers.shutdown)
         self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir, config=cfg,
                                total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
+        self._teardown.callback(self.tracker.close)
         self._batches = iter(loader)
         self._step_start = time.perf_counter()
 
@@ -112,8 +119,20 @@ class TrainingRun:
             out["throughput/step"] = tokens / out["timing_s/step"]
         self.tracker.log(out, step=step)
 
+    # ------------------------------------------------------------------ teardown
+    def __enter__(self) -> "TrainingRun":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def on_close(self, callback: Callable[[], Any]) -> None:
+        """Call ``callback`` when the run closes, before the loggers and workers (latest first)."""
+        self._teardown.callback(callback)
+
     def close(self) -> None:
-        self.tracker.close()
+        """Run the ``on_close`` callbacks, close the loggers, shut the workers down. Idempotent."""
+        self._teardown.close()
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, step: int) -> None:

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 
@@ -43,11 +45,7 @@ def _plain_config(config: Any) -> dict[str, Any]:
     """An OmegaConf/Hydra config or mapping as a plain dict (what every backend can store)."""
     if config is None:
         return {}
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:
-        DictConfig = None
-    if DictConfig is not None and isinstance(config, DictConfig):
+    if isinstance(config, DictConfig):
         return OmegaConf.to_container(config, resolve=True)
     if isinstance(config, Mapping):
         return dict(config)
@@ -73,8 +71,6 @@ class _Console:
         self.keys = list(keys) if keys is not None else None
         self.bar = None
         if total_steps is not None:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total_steps, desc="training", file=sys.stderr, dynamic_ncols=True)
 
     def format(self, metrics: Mapping[str, float], step: int) -> str:
@@ -112,7 +108,7 @@ class _Jsonl:
 
 class _TensorBoard:
     def __init__(self, log_dir: Path, config: dict[str, Any]) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # optional dependency (the tensorboard package)
 
         self.writer = SummaryWriter(log_dir=str(log_dir))
         if config:
@@ -251,7 +247,7 @@ def truncate_jsonl_after(path: str | Path, step: int) -> int:
 def plot_metric(jsonl_path: str | Path, key: str, out_png: str | Path,
                 title: str | None = None) -> Path:
     """Plot `key` against step from a metrics JSONL file into a PNG (no display needed)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # optional dependency: plots only
     from matplotlib.figure import Figure
 
     rows = read_jsonl_metrics(jsonl_path)

@@ -13,7 +13,7 @@ import torch
 
 from rlcore.protocol import DataProto
 from rlcore.single_controller import WorkerGroup
-from rlcore.trainer.core_algos import masked_mean
+from rlcore.algos.stats import masked_mean
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

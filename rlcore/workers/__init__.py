@@ -1,27 +1,14 @@
-"""RL roles as SPMD workers: the policy and reference (ActorWorker), the value model (CriticWorker)
-and a learned reward model (RewardModelWorker), all FSDP2-sharded, run in-process or as Ray groups.
+"""RL roles as SPMD workers: the policy and reference (ActorWorker), the value model (CriticWorker),
+the rollout (RolloutWorker, holding a generation engine), a learned reward model
+(RewardModelWorker) and rule rewards spread over a group (RewardWorker). The training roles are
+FSDP2-sharded; every role runs in-process or as N Ray ranks with no code change."""
 
-Imported lazily, so that ``import rlcore.workers.<submodule>`` does not pull in every role.
-"""
+from rlcore.workers.actor import ActorWorker
+from rlcore.workers.config import ActorConfig, CriticConfig, TrainConfig
+from rlcore.workers.critic import CriticWorker
+from rlcore.workers.reward import RewardWorker
+from rlcore.workers.reward_model import RewardModelConfig, RewardModelWorker
+from rlcore.workers.rollout import EpisodeRunner, RolloutWorker
 
-import importlib
-
-_EXPORTS = {
-    "ActorWorker": "rlcore.workers.actor",
-    "ACTOR_DEFAULTS": "rlcore.workers.actor",
-    "CriticWorker": "rlcore.workers.critic",
-    "CRITIC_DEFAULTS": "rlcore.workers.critic",
-    "RewardModelWorker": "rlcore.workers.reward_model",
-    "RolloutWorker": "rlcore.workers.rollout",
-    "RewardWorker": "rlcore.workers.reward",
-    "RuleRewardManager": "rlcore.workers.reward",
-}
-
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'rlcore.workers' has no attribute {name!r}")
-
-
-__all__ = sorted(_EXPORTS)
+__all__ = ["ActorConfig", "ActorWorker", "CriticConfig", "CriticWorker", "EpisodeRunner", "RewardModelConfig",
+           "RewardModelWorker", "RewardWorker", "RolloutWorker", "TrainConfig"]

@@ -5,22 +5,9 @@ The network is the causal LM's transformer body (its LM head is dropped) plus a 
 token t is read at the position that predicts it (T_p - 1 + t), the state just before the token,
 the same alignment as the actor's log-probs.
 
-Config: sections ``model`` and ``critic`` (``trainer.device`` picks the device); an unknown key in
-either is an error naming it.
-
-    key                      default        meaning
-    model.path               (required)     local HF directory of a causal LM (its body is used)
-    model.dtype              "float32"      parameter dtype
-    model.gradient_checkpointing False      recompute activations in backward
-    model.mixed_precision    None           "bfloat16": bf16 compute, float32 parameters
-    critic.lr                1e-5           peak learning rate
-    critic.cliprange_value   0.5            values may move at most this far from ``values`` per update
-    critic.loss_agg_mode     "token-mean"   aggregation of the per-token value loss
-    critic.<training keys>                  optimizer, weight_decay, warmup_steps, lr_scheduler,
-                                            total_steps, min_lr_ratio, grad_clip, ppo_mini_batch_size,
-                                            ppo_micro_batch_size_per_gpu, use_dynamic_bsz,
-                                            ppo_max_token_len_per_gpu, ppo_epochs, shuffle, seed:
-                                            as for the actor (defaults in fsdp_utils.TRAIN_DEFAULTS)
+Config: ``model`` (``ModelConfig``), ``critic`` (``CriticConfig``: the actor's optimisation keys,
+``cliprange_value`` and ``loss_agg_mode``) and ``trainer.device``; an unknown key or a value of the
+wrong type is a ``ConfigError`` naming it.
 
 Data read: input_ids, attention_mask, position_ids, responses; update_critic also response_mask,
 values (the critic's values when the advantages were computed) and returns.
@@ -33,44 +20,42 @@ from collections.abc import Mapping
 import torch
 from omegaconf import DictConfig
 from torch import nn
+from transformers import AutoModelForCausalLM
 
+from rlcore.algos.losses import LossScale, compute_value_loss
+from rlcore.algos.stats import masked_mean
+from rlcore.models.config import ModelConfig, torch_dtype
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, register
-from rlcore.trainer.core_algos import LOSS_AGG_MODES, compute_value_loss, masked_mean
+from rlcore.typed_config import read_section
+from rlcore.workers.config import CriticConfig
 from rlcore.workers.fsdp_utils import (
-    MODEL_DEFAULTS,
-    TRAIN_DEFAULTS,
     FSDPTrainWorker,
     ScalarHeadModel,
     apply_fsdp2,
-    mixed_precision_policy,
     build_lr_scheduler,
     build_optimizer,
     forward_micro_batches,
-    resolve_config,
-    resolve_dtype,
+    mixed_precision_policy,
     response_slice,
     setup_worker,
 )
 
-CRITIC_DEFAULTS = {**TRAIN_DEFAULTS, "lr": 1e-5, "cliprange_value": 0.5, "loss_agg_mode": "token-mean"}
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 
 
 class CriticWorker(FSDPTrainWorker):
     def __init__(self, config: Mapping | DictConfig) -> None:
-        self.config = resolve_config(config, {"model": MODEL_DEFAULTS, "critic": CRITIC_DEFAULTS})
-        self.train_cfg = self.config.critic
-        if self.train_cfg.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"critic.loss_agg_mode {self.train_cfg.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
+        self.config = config  # the whole recipe config: setup_worker reads trainer.device from it
+        self.model_cfg = read_section(config, "model", ModelConfig)
+        self.model_cfg.require_path()
+        self.train_cfg = read_section(config, "critic", CriticConfig)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from transformers import AutoModelForCausalLM
-
-        model_cfg = self.config.model
+        model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
-        dtype = resolve_dtype(model_cfg.dtype)
+        dtype = torch_dtype(model_cfg.dtype)
         backbone = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype).base_model
         if model_cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -103,12 +88,12 @@ class CriticWorker(FSDPTrainWorker):
         data = data.select(batch_keys=INPUT_KEYS + ["response_mask", "values", "returns"])
         return self.run_updates(data, self._loss, prefix="critic")
 
-    def _loss(self, micro: DataProto, **counts) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, micro: DataProto, scale: LossScale) -> tuple[torch.Tensor, dict[str, float]]:
         cfg, b = self.train_cfg, micro.batch
         vpreds = self._values(micro)
         loss, metrics = compute_value_loss(
             vpreds, b["values"], b["returns"], b["response_mask"],
-            cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, **counts,
+            cliprange_value=cfg.cliprange_value, loss_agg_mode=cfg.loss_agg_mode, scale=scale,
         )
         metrics["vpred_mean"] = float(masked_mean(vpreds.detach(), b["response_mask"]))
         return loss, metrics

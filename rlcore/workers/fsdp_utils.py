@@ -3,33 +3,8 @@
 One code path for every scale: a model is built from a local HF directory on every rank, each
 decoder layer and then the root are wrapped with ``fully_shard`` over a 1-D mesh of all ranks
 (world size 1 included, so a single-process run exercises the same code), and the data-parallel
-gradient average comes from FSDP's reduce-scatter. CPU runs use gloo, GPU runs nccl.
-
-Configuration keys shared by the training workers (the actor and critic sections both hold them):
-
-    key                           default     meaning
-    optimizer                     "adamw"     "adamw" or "sgd" (plain SGD: handy for exact tests)
-    lr                            (per role)  peak learning rate
-    weight_decay                  0.01        decoupled (AdamW) or L2 (SGD) weight decay
-    warmup_steps                  0           optimizer steps of linear warm-up from lr/warmup_steps to lr
-    lr_scheduler                  "constant"  after warm-up: "constant", "cosine" or "linear" decay
-    total_steps                   None        optimizer steps the decay spans (needed by cosine/linear)
-    min_lr_ratio                  0.0         decay floor, as a fraction of lr
-    grad_clip                     1.0         max global grad norm; None or 0 disables clipping
-    ppo_mini_batch_size           None        global rows per optimizer step (None: the whole batch)
-    ppo_micro_batch_size_per_gpu  4           rows per forward/backward on one rank
-    use_dynamic_bsz               False       pack micro-batches by token count instead of rows
-    ppo_max_token_len_per_gpu     16384       token budget of one dynamic micro-batch
-    ppo_epochs                    1           passes over the batch per update call
-    shuffle                       True        reshuffle rows into mini-batches every epoch
-    seed                          1           torch seed at init, and the mini-batch shuffle seed
-
-The model section (``model.*``) holds ``path`` (required), ``dtype`` ("float32", "bfloat16",
-"float16"), ``gradient_checkpointing`` and ``mixed_precision`` (null, or "bfloat16": FSDP2 runs
-forward and backward in bf16 while the parameters, optimizer state and gradient reduction stay in
-float32, the usual way to train on GPUs; it needs ``dtype`` float32). The device comes from ``trainer.device`` ("auto":
-CUDA when available, else CPU; or "cpu" / "cuda"); other keys of the recipe's ``trainer``
-section, and sections a worker does not own, are left to their owners.
+gradient average comes from FSDP's reduce-scatter. CPU runs use gloo, GPU runs nccl. The keys the
+training workers read are the dataclasses of ``rlcore.workers.config`` and ``rlcore.models.config``.
 """
 
 from __future__ import annotations
@@ -39,14 +14,13 @@ import os
 import random
 import shutil
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -58,80 +32,18 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
-from rlcore.trainer.seqlen_balancing import rearrange_micro_batches
+from rlcore.algos.losses import LossScale
+from rlcore.algos.seqlen_balancing import rearrange_micro_batches
+from rlcore.models.config import ModelConfig
+from rlcore.workers.config import TrainConfig, worker_device
 
-MODEL_DEFAULTS: dict[str, Any] = {"path": None, "dtype": "float32", "gradient_checkpointing": False,
-                                  "mixed_precision": None}
-
-TRAIN_DEFAULTS: dict[str, Any] = {
-    "optimizer": "adamw",
-    "lr": 1e-6,
-    "weight_decay": 0.01,
-    "warmup_steps": 0,
-    "lr_scheduler": "constant",
-    "total_steps": None,
-    "min_lr_ratio": 0.0,
-    "grad_clip": 1.0,
-    "ppo_mini_batch_size": None,
-    "ppo_micro_batch_size_per_gpu": 4,
-    "use_dynamic_bsz": False,
-    "ppo_max_token_len_per_gpu": 16384,
-    "ppo_epochs": 1,
-    "shuffle": True,
-    "seed": 1,
-}
-
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-# Every rank runs (full state dict extraction is a collective); the driver gets rank 0's result.
-
-
-# ----------------------------------------------------------------------------- configuration
-def resolve_config(config: Mapping | DictConfig, defaults: dict[str, dict[str, Any]]) -> DictConfig:
-    """Fill each owned section from its defaults; a key a section does not know is an error.
-
-    Sections not in ``defaults`` are kept as given (a recipe may pass its whole config), so
-    ``trainer.device`` can be read from them.
-    """
-    cfg = config if isinstance(config, DictConfig) else OmegaConf.create(dict(config))
-    given_all = OmegaConf.to_container(cfg, resolve=True)
-    out = dict(given_all)
-    for section, section_defaults in defaults.items():
-        given = given_all.get(section) or {}
-        unknown = sorted(set(given) - set(section_defaults))
-        if unknown:
-            names = ", ".join(f"{section}.{k}" for k in unknown)
-            raise ValueError(f"unknown config key(s) {names}; known {section} keys: {sorted(section_defaults)}")
-        out[section] = {**section_defaults, **given}
-    if "model" in defaults and not out["model"]["path"]:
-        raise ValueError("model.path is required: a local HF model directory")
-    return OmegaConf.create(out)
-
-
-def resolve_device(cfg: DictConfig) -> torch.device:
-    name = str(OmegaConf.select(cfg, "trainer.device", default="auto"))
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"trainer.device must be 'auto', 'cpu' or 'cuda', got {name!r}")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device='cuda' but CUDA is not available here; use 'cpu' or 'auto'")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"model.dtype {name!r} is not one of {sorted(DTYPES)}")
-    return DTYPES[name]
-
-
-def setup_worker(worker: Worker, cfg: DictConfig, seed: int) -> torch.device:
-    """Pick the device, join the process group with the matching backend, seed torch."""
-    device = resolve_device(cfg)
+def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
+    """Pick the device (``trainer.device``), join the process group with the matching backend, seed torch."""
+    device = worker_device(config)
     worker.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU, set by init_distributed
@@ -158,17 +70,10 @@ class ScalarHeadModel(nn.Module):
         return self.head(hidden).squeeze(-1).clone()  # FSDP2 warns about view outputs
 
 
-def mixed_precision_policy(model_cfg: Mapping) -> MixedPrecisionPolicy:
-    """FSDP2's policy for ``model.mixed_precision``: compute in it, keep and reduce in float32."""
-    name = model_cfg.get("mixed_precision")
-    if name is None:
+def mixed_precision_policy(model_cfg: ModelConfig) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``model.mixed_precision`` (checked by ModelConfig): compute in it, keep and reduce in float32."""
+    if model_cfg.mixed_precision is None:
         return MixedPrecisionPolicy()  # compute in the parameters' own dtype
-    if name != "bfloat16":
-        raise ValueError(f"model.mixed_precision must be null or 'bfloat16', got {name!r} "
-                         "(float16 would need loss scaling)")
-    if model_cfg["dtype"] != "float32":
-        raise ValueError(f"model.mixed_precision={name} computes in bf16 over float32 parameters; "
-                         f"model.dtype is {model_cfg['dtype']!r}: set model.dtype=float32")
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -205,8 +110,6 @@ def export_hf(model: nn.Module, src_dir: str, out_dir: str) -> None:
     Rank 0 saves the full state dict through ``save_pretrained`` of a weightless (meta) copy of
     the architecture, then copies the tokenizer and generation files of the source directory.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     state = full_state_dict(model)
     if dist.get_rank() == 0:
         config = AutoConfig.from_pretrained(src_dir)
@@ -221,7 +124,7 @@ def export_hf(model: nn.Module, src_dir: str, out_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------- optimisation
-def build_optimizer(params: Iterable[nn.Parameter], cfg: DictConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "sgd":
@@ -245,7 +148,7 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int | None, kind: s
     return min_lr_ratio + (1.0 - min_lr_ratio) * decay
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: DictConfig) -> torch.optim.lr_scheduler.LambdaLR:
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     lr_multiplier(cfg.warmup_steps, cfg.warmup_steps, cfg.total_steps, cfg.lr_scheduler)  # validate now, not mid-run
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, cfg.warmup_steps, cfg.total_steps, cfg.lr_scheduler, cfg.min_lr_ratio)
@@ -357,14 +260,14 @@ class FSDPTrainWorker(Worker):
     """What the actor and critic share: the PPO-style update loop and checkpoints.
 
     A subclass sets ``self.module``, ``self.optimizer``, ``self.lr_scheduler``, ``self.device`` and
-    ``self.train_cfg`` (its section with the TRAIN_DEFAULTS keys) in ``init_model``.
+    ``self.train_cfg`` (a ``TrainConfig``) in ``init_model``.
     """
 
     module: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
     device: torch.device
-    train_cfg: DictConfig
+    train_cfg: TrainConfig
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
 
     def micro_batches(self, data: DataProto) -> list[np.ndarray]:
@@ -376,7 +279,7 @@ class FSDPTrainWorker(Worker):
     def run_updates(self, data: DataProto, loss_fn: Callable[..., tuple[torch.Tensor, dict]], prefix: str) -> dict[str, float]:
         """``ppo_epochs`` passes over this rank's rows in mini-batches, one optimizer step each.
 
-        ``loss_fn(micro, global_tokens=, global_seqs=, dp_size=)`` returns this micro-batch's
+        ``loss_fn(micro, scale)`` (``scale`` a ``LossScale``) returns this micro-batch's
         contribution to the global mini-batch loss (``agg_loss``'s contract): backward of the plain
         sum over micro-batches, with FSDP averaging over ranks, gives the gradient of the global
         mean whatever the split. The reported ``loss`` is that global value.
@@ -394,9 +297,10 @@ class FSDPTrainWorker(Worker):
         seed = cfg.seed + self.update_calls
         for mini in data.make_iterator(global_rows // ws, cfg.ppo_epochs, seed=seed, shuffle=cfg.shuffle):
             tokens, seqs = global_counts(mini.batch["response_mask"], self.device)
+            scale = LossScale(global_tokens=tokens, global_seqs=seqs, dp_size=ws)
             total = torch.zeros((), device=self.device)
             for ix in self.micro_batches(mini):
-                loss, micro_metrics = loss_fn(mini[ix].to(self.device), global_tokens=tokens, global_seqs=seqs, dp_size=ws)
+                loss, micro_metrics = loss_fn(mini[ix].to(self.device), scale)
                 loss.backward()
                 total += loss.detach()
                 for k, v in micro_metrics.items():

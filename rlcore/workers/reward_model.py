@@ -6,15 +6,8 @@ id; we pool at the last position the attention mask marks instead, which stays r
 batch is padded and whatever ids the padding holds. The reward model must share the policy's
 tokenizer: input_ids are scored as they are.
 
-Config: sections ``model`` and ``reward_model`` (``trainer.device`` picks the device); an unknown
-key in either is an error naming it.
-
-    key                                   default      meaning
-    model.path                            (required)   local HF directory of the reward model
-    model.dtype                           "float32"    parameter dtype
-    reward_model.micro_batch_size_per_gpu 4            rows per forward on one rank
-    reward_model.use_dynamic_bsz          False        micro-batches packed by token count instead
-    reward_model.max_token_len_per_gpu    16384        token budget of a dynamic micro-batch
+Config: ``model`` (the reward model's directory and dtype), ``reward_model``
+(``RewardModelConfig``) and ``trainer.device``.
 
 Data read: input_ids, attention_mask, position_ids, responses.
 """
@@ -22,39 +15,43 @@ Data read: input_ids, attention_mask, position_ids, responses.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
+from transformers import AutoModelForSequenceClassification
 
+from rlcore.models.config import ModelConfig, torch_dtype
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
-from rlcore.workers.fsdp_utils import (
-    ScalarHeadModel,
-    apply_fsdp2,
-    forward_micro_batches,
-    micro_batch_indices,
-    resolve_config,
-    resolve_dtype,
-    setup_worker,
-)
+from rlcore.typed_config import read_section
+from rlcore.workers.fsdp_utils import ScalarHeadModel, apply_fsdp2, forward_micro_batches, micro_batch_indices, setup_worker
 
-RM_MODEL_DEFAULTS = {"path": None, "dtype": "float32"}
-RM_DEFAULTS = {"micro_batch_size_per_gpu": 4, "use_dynamic_bsz": False, "max_token_len_per_gpu": 16384}
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """The ``reward_model`` section: how a learned reward model scores (no grad)."""
+
+    micro_batch_size_per_gpu: int = 4  # rows per forward on one rank
+    use_dynamic_bsz: bool = False  # micro-batches packed by token count instead
+    max_token_len_per_gpu: int = 16384  # token budget of a dynamic micro-batch
 
 
 class RewardModelWorker(Worker):
     def __init__(self, config: Mapping | DictConfig) -> None:
-        self.config = resolve_config(config, {"model": RM_MODEL_DEFAULTS, "reward_model": RM_DEFAULTS})
+        self.config = config
+        self.model_cfg = read_section(config, "model", ModelConfig)
+        self.model_cfg.require_path()
+        self.rm_cfg = read_section(config, "reward_model", RewardModelConfig)
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
-        from transformers import AutoModelForSequenceClassification
-
-        model_cfg = self.config.model
+        model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, seed=0)
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.path, num_labels=1, dtype=resolve_dtype(model_cfg.dtype)
+            model_cfg.path, num_labels=1, dtype=torch_dtype(model_cfg.dtype)
         )
         if not isinstance(getattr(model, "score", None), torch.nn.Linear):
             raise ValueError(f"{type(model).__name__} has no linear `score` head: expected a decoder reward model")
@@ -64,7 +61,7 @@ class RewardModelWorker(Worker):
     @register(Dispatch.DP_COMPUTE_PROTO)
     def compute_rm_score(self, data: DataProto) -> DataProto:
         """``rm_scores`` (B,) and ``token_level_scores`` (B, T_r): the score on the last valid response token."""
-        cfg = self.config.reward_model
+        cfg = self.rm_cfg
         data = data.select(batch_keys=INPUT_KEYS)
 
         def step(micro: DataProto) -> dict[str, torch.Tensor]:

@@ -8,8 +8,8 @@ import torch
 from rlcore.agentic.env import Env, GuessNumberEnv, make_env
 from rlcore.agentic.multi_turn import MultiTurnRollout
 from rlcore.models.tiny import build_char_tokenizer, build_tiny_model
-from rlcore.workers.rollout.base import Generation, ModelConfig, RolloutConfig, SamplingSettings
-from rlcore.workers.rollout.hf_rollout import HFRollout
+from rlcore.engines.base import Generation, ModelConfig, RolloutConfig, SamplingSettings
+from rlcore.engines.hf_engine import HFEngine
 
 
 def settings(**kw):
@@ -173,7 +173,7 @@ def test_bad_input_is_named(tok):
 @pytest.fixture(scope="module")
 def hf_backend(tmp_path_factory):
     path = build_tiny_model(tmp_path_factory.mktemp("tiny_mt"), seed=0)
-    return HFRollout(ModelConfig(path=path), RolloutConfig(seed=3))
+    return HFEngine(ModelConfig(path=path), RolloutConfig(seed=3))
 
 
 def test_hf_backend_trajectories(hf_backend):

@@ -14,7 +14,7 @@ from rlcore.data.arithmetic import make_arithmetic_examples
 from rlcore.models.tiny import build_tiny_model
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
-from rlcore.trainer.dataset import collate_prompts
+from rlcore.data.dataset import collate_prompts
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.rollout import RolloutWorker
 

@@ -10,8 +10,8 @@ from rlcore.agentic.env import GuessNumberEnv
 from rlcore.agentic.multi_turn import MultiTurnRollout
 from rlcore.agentic.router import SessionRouter
 from rlcore.models.tiny import build_tiny_model
-from rlcore.workers.rollout.base import Generation, ModelConfig, RolloutConfig, SamplingSettings
-from rlcore.workers.rollout.hf_rollout import HFRollout
+from rlcore.engines.base import Generation, ModelConfig, RolloutConfig, SamplingSettings
+from rlcore.engines.hf_engine import HFEngine
 
 GREEDY = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5, n=1, do_sample=False)
 
@@ -188,7 +188,7 @@ class Spy:
 
 def test_multi_turn_sessions_stay_on_one_real_engine(tmp_path):
     path = build_tiny_model(tmp_path / "tiny", seed=0)
-    engines = [Spy(HFRollout(ModelConfig(path=path), RolloutConfig(seed=i))) for i in range(2)]
+    engines = [Spy(HFEngine(ModelConfig(path=path), RolloutConfig(seed=i))) for i in range(2)]
     tok = engines[0].backend.tokenizer
     router = SessionRouter(engines)
     sessions = {}
@@ -226,7 +226,7 @@ def test_multi_turn_rollout_over_a_router_of_two_real_engines(tmp_path):
     """Episodes are sessions: spread over both engines, each engine continuing only its own, and
     (greedy, the same weights on both) the trajectories are those of a single engine."""
     path = build_tiny_model(tmp_path / "tiny", seed=0)
-    backends = [HFRollout(ModelConfig(path=path), RolloutConfig(seed=i)) for i in range(2)]
+    backends = [HFEngine(ModelConfig(path=path), RolloutConfig(seed=i)) for i in range(2)]
     tok = backends[0].tokenizer
     spies = [Spy(b) for b in backends]
     router = SessionRouter(spies)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlcore.models.tiny import build_char_tokenizer
-from rlcore.trainer.dataset import (
+from rlcore.data.dataset import (
     PromptDataset,
     PromptLoader,
     ResumableBatchSampler,

@@ -8,7 +8,7 @@ import pytest
 
 from recipes.data.gsm8k import INSTRUCTION, extract_final_answer, main
 from rlcore.models.tiny import build_char_tokenizer
-from rlcore.trainer.dataset import PromptDataset
+from rlcore.data.dataset import PromptDataset
 
 REPO = Path(__file__).resolve().parents[2]
 

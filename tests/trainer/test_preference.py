@@ -6,7 +6,7 @@ import torch
 
 from rlcore.protocol import DataProto
 from rlcore.trainer.core_algos import compute_dpo_loss, get_policy_loss
-from rlcore.trainer.preference import best_worst_pairs
+from rlcore.algos.preference import best_worst_pairs
 
 
 def test_best_worst_pairs_per_prompt_skips_ties():

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from rlcore.trainer.seqlen_balancing import (
+from rlcore.algos.seqlen_balancing import (
     balance_partitions,
     balanced_permutation,
     rearrange_micro_batches,

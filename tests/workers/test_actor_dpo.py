@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-import rlcore.trainer.preference  # noqa: F401  (registers the "dpo" policy loss)
+import rlcore.algos.preference  # noqa: F401  (registers the "dpo" policy loss)
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.actor import ActorWorker
 

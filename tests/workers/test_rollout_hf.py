@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from rlcore.models.tiny import build_tiny_model
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.rollout import RolloutWorker
-from rlcore.workers.rollout.base import SamplingSettings, parse_config
+from rlcore.engines.base import SamplingSettings, parse_config
 
 MAX_NEW = 10
 

@@ -1,4 +1,4 @@
-"""Rollout with Hugging Face ``generate``: the reference backend (slow, simple, exact).
+"""Generation with Hugging Face ``generate``: the reference engine (slow, simple, exact).
 
 Log-probs: ``generate(output_scores=True)`` returns, per step, the scores after every logits
 processor, i.e. ``logits / temperature`` with top-k and then top-p filtered tokens at -inf. Their
@@ -23,15 +23,8 @@ from collections.abc import Mapping
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
-from rlcore.workers.rollout.base import (
-    Generation,
-    ModelConfig,
-    RolloutBackend,
-    RolloutConfig,
-    SamplingSettings,
-    check_weight_names,
-    torch_dtype,
-)
+from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
+from rlcore.models.config import ModelConfig, torch_dtype
 
 
 class _StopRecorder(StoppingCriteria):
@@ -85,16 +78,17 @@ class _RngStream:
         return out
 
 
-class HFRollout(RolloutBackend):
-    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, rank: int = 0) -> None:
-        self.device = torch.device(model_cfg.device)
+class HFEngine(Engine):
+    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0) -> None:
+        self.device = torch.device(device)
         dtype = torch_dtype(rollout_cfg.dtype or model_cfg.dtype, "rollout.dtype")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_cfg.path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype).to(self.device).eval()
+        path = model_cfg.require_path()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()
         self.eos_token_id = self.tokenizer.eos_token_id
         self.pad_token_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_id
         if self.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {model_cfg.path} has no eos_token_id; rollouts could never stop")
+            raise ValueError(f"the tokenizer of {path} has no eos_token_id; rollouts could never stop")
         self.model_eos_ids = _as_list(self.model.generation_config.eos_token_id)
         # A clean generation config: the checkpoint's own sampling defaults (temperature, top_k,
         # repetition_penalty, ...) must not silently differ from what the vLLM backend applies. Stop

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 logger = logging.getLogger(__name__)
@@ -55,8 +56,6 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
         columns = sorted({k for row in rows for k in row})
         return rows, columns
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
         table = pq.read_table(path)
         return table.to_pylist(), table.column_names
     raise ValueError(f"unsupported dataset file type {path.suffix!r} for {path}; "

