@@ -27,13 +27,13 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from rlcore.agentic import AsyncRolloutLoop, ReplayBuffer
+from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_rollout_group, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
-from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.rewards.manager import RuleRewardManager
+from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "replay", "trainer")
 register_schema("async_grpo_schema", SECTIONS)

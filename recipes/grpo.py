@@ -22,13 +22,13 @@ import hydra
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
-from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.rewards.manager import RuleRewardManager
+from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "trainer")
 register_schema("grpo_schema", SECTIONS)

@@ -23,13 +23,13 @@ from transformers import AutoTokenizer
 
 from rlcore.agentic import EnvEpisodes
 from rlcore.protocol import DataProto
+from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
-from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.rewards.manager import RuleRewardManager
+from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "env", "trainer")
 register_schema("multi_turn_grpo_schema", SECTIONS)

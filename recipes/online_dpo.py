@@ -24,12 +24,12 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from rlcore.algos.preference import best_worst_pairs
+from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
-from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.rewards.manager import RuleRewardManager
+from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "trainer")
 register_schema("online_dpo_schema", SECTIONS)

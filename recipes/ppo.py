@@ -22,13 +22,13 @@ import hydra
 from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
+from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
-from rlcore.trainer.warmstart import warm_start
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.rewards.manager import RuleRewardManager
+from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "critic", "rollout", "reward", "algorithm", "trainer")
 register_schema("ppo_schema", SECTIONS)

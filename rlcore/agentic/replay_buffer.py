@@ -43,6 +43,7 @@ from rlcore.algos.importance import compute_is_weights
 from rlcore.engines.layout import pad_rollout, trim_padding, widths
 from rlcore.protocol import DataProto
 
+
 class ReplayBuffer:
     """Rows in insertion order (FIFO beyond ``capacity``), each tagged with its ``policy_version``.
 

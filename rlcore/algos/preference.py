@@ -13,9 +13,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rlcore.protocol import DataProto
 from rlcore.algos.losses import PolicyLossConfig, PolicyLossInput, register_policy_loss
 from rlcore.algos.stats import check_same_shape
+from rlcore.protocol import DataProto
 
 Tensor = torch.Tensor
 

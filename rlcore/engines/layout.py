@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from rlcore.engines.base import Generation
 from rlcore.protocol import DataProto
 
+
 def check_left_padded(attention_mask: torch.Tensor) -> None:
     """Both backends read a prompt as the tokens under its mask, ending at the last column."""
     if attention_mask.ndim != 2:

@@ -1,6 +1,7 @@
 """Rule-based rewards: answer extraction and comparison, reward functions by name, and the manager
 that scores a rollout batch with them (in forked processes, with a timeout)."""
 
+from rlcore.rewards.manager import RewardConfig, RewardError, RuleRewardManager, reward_metrics
 from rlcore.rewards.math_answers import (
     answers_equal,
     extract_answer_tag,
@@ -9,7 +10,6 @@ from rlcore.rewards.math_answers import (
     extract_last_number,
     normalize_answer,
 )
-from rlcore.rewards.manager import RewardConfig, RewardError, RuleRewardManager, reward_metrics
 from rlcore.rewards.registry import RewardFn, get_reward_fn, register_reward_fn
 
 __all__ = [

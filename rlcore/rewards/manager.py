@@ -62,11 +62,10 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from rlcore.protocol import DataProto
 from rlcore.models.config import ModelConfig
+from rlcore.protocol import DataProto
 from rlcore.rewards.registry import RewardFn, get_reward_fn
 from rlcore.typed_config import read_section
-
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import importlib
 import importlib.util
 import re
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 from rlcore.registry import Registry
 from rlcore.rewards.math_answers import (

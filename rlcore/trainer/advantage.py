@@ -14,9 +14,9 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from rlcore.protocol import DataProto
 from rlcore.algos.advantages import get_advantage_estimator
 from rlcore.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, get_kl_controller
+from rlcore.protocol import DataProto
 
 
 def needs_old_log_prob(cfg: DictConfig) -> bool:

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from rlcore.data.dataset import PromptLoader
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
-from rlcore.data.dataset import PromptLoader
 from rlcore.trainer.run_checkpoint import (
     load_run_state,
     prune_checkpoints,

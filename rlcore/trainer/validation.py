@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from rlcore.algos.stats import masked_mean
 from rlcore.protocol import DataProto
 from rlcore.single_controller import WorkerGroup
-from rlcore.algos.stats import masked_mean
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:

@@ -34,12 +34,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlcore.protocol import DataProto
-from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
 from rlcore.models.config import ModelConfig
+from rlcore.protocol import DataProto
+from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_device
+
 
 def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
     """Pick the device (``trainer.device``), join the process group with the matching backend, seed torch."""

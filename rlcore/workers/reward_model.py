@@ -25,7 +25,13 @@ from rlcore.models.config import ModelConfig, torch_dtype
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.typed_config import read_section
-from rlcore.workers.fsdp_utils import ScalarHeadModel, apply_fsdp2, forward_micro_batches, micro_batch_indices, setup_worker
+from rlcore.workers.fsdp_utils import (
+    ScalarHeadModel,
+    apply_fsdp2,
+    forward_micro_batches,
+    micro_batch_indices,
+    setup_worker,
+)
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 
