@@ -1,6 +1,6 @@
-from rlcore.registry import Registry
-
 import pytest
+
+from rlcore.registry import Registry
 
 
 def test_register_get_and_errors():
@@ -13,7 +13,7 @@ def test_register_get_and_errors():
     assert reg.get("a") is a and "a" in reg and reg.names() == ["a"]
     with pytest.raises(ValueError, match="widget 'a' is already registered"):
         reg.register("a")(a)
-    assert reg.get("rlcore.trainer.preference:dpo_policy_loss").__name__ == "dpo_policy_loss"
+    assert reg.get("rlcore.algos.preference:dpo_policy_loss").__name__ == "dpo_policy_loss"
     with pytest.raises(ValueError, match="has no callable 'nope'"):
         reg.get("rlcore.registry:nope")
     with pytest.raises(ValueError, match=r"unknown widget 'b'; known: \['a'\]"):

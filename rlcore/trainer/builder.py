@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from rlcore import single_controller
 from rlcore.data.arithmetic import make_split, write_jsonl
 from rlcore.data.dataset import PromptDataset, PromptLoader, collate_prompts
 from rlcore.protocol import DataProto
@@ -145,12 +146,12 @@ def _placed_group(cfg: DictConfig, worker: Any, suffix: str = "") -> tuple[Worke
         # earlier in this process replaces torch.set_num_threads with a no-op that only logs a warning.
         torch._C.set_num_threads(max(1, int(t.cpus_per_proc)))
         return LocalWorkerGroup(worker), None
-    from rlcore.single_controller import RayResourcePool, RayWorkerGroup  # optional dependency: Ray
-
     init_ray(cfg)
-    pool = RayResourcePool([t.procs_per_node] * t.nnodes, use_gpu=resolve_device(t.device) == "cuda",
-                           num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}{suffix}")
-    return RayWorkerGroup(pool, worker, name_prefix=f"{t.project}{suffix}"), pool
+    # single_controller's Ray classes are looked up on use, so Ray is imported only when a Ray group is built
+    pool = single_controller.RayResourcePool(
+        [t.procs_per_node] * t.nnodes, use_gpu=resolve_device(t.device) == "cuda",
+        num_cpus_per_process=t.cpus_per_proc, name_prefix=f"{t.project}_{t.run_name}{suffix}")
+    return single_controller.RayWorkerGroup(pool, worker, name_prefix=f"{t.project}{suffix}"), pool
 
 
 # ----------------------------------------------------------------------------- data

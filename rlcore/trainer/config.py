@@ -105,7 +105,7 @@ class DataConfig:
 
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"  # "fixed" or "adaptive" (core_algos.get_kl_controller)
+    type: str = "fixed"  # "fixed" or "adaptive" (rlcore.algos.kl.get_kl_controller)
     kl_coef: float = 0.001
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
@@ -115,12 +115,12 @@ class KLControlConfig:
 class AlgorithmConfig:
     """Driver-side RL math: the advantage estimator and the KL penalty in the reward."""
 
-    adv_estimator: str = "grpo"  # a name in core_algos' advantage registry
+    adv_estimator: str = "grpo"  # a name in the advantage registry (rlcore.algos.advantages)
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std: bool = True  # grpo: divide by the group std (False: Dr. GRPO)
     use_kl_in_reward: bool = False  # rewards = scores - coef * KL(pi_old || ref) per token
-    kl_penalty: str = "kl"  # KL estimator of that penalty (core_algos.kl_penalty kinds)
+    kl_penalty: str = "kl"  # KL estimator of that penalty (rlcore.algos.kl.KL_KINDS)
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     dpo_beta: float = 0.1  # online DPO: strength of the implicit KL to the reference
     dpo_loss_type: str = "sigmoid"  # online DPO: "sigmoid" (DPO) or "ipo"

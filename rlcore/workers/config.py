@@ -63,7 +63,7 @@ class ActorConfig(TrainConfig, PolicyLossConfig):
 
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
     use_kl_loss: bool = False  # loss += kl_loss_coef * KL(pi || ref) (needs ref_log_prob: the ref role)
-    kl_loss_coef: float = 0.001
+    kl_loss_coef: float = 0.001  # weight of that KL term in the loss
     kl_loss_type: str = "low_var_kl"  # the KL estimator (rlcore.algos.kl.KL_KINDS)
     use_rollout_is: bool = False  # truncated IS weights pi_old / pi_rollout on the loss (needs rollout_log_probs)
     rollout_is_cap: float = 2.0  # truncation of those weights

@@ -1,12 +1,15 @@
-"""Online-DPO pieces: best/worst pairs and the dpo policy loss (hand numbers, DP-invariance)."""
+"""rlcore.algos.preference: DPO/IPO on hand numbers, best/worst pairs, and the dpo policy loss (DP-invariance)."""
+
+import math
 
 import numpy as np
 import pytest
 import torch
+from algo_refs import close
 
+from rlcore.algos.losses import LossScale, PolicyLossConfig, PolicyLossInput, get_policy_loss
+from rlcore.algos.preference import best_worst_pairs, compute_dpo_loss, dpo_policy_loss
 from rlcore.protocol import DataProto
-from rlcore.trainer.core_algos import compute_dpo_loss, get_policy_loss
-from rlcore.algos.preference import best_worst_pairs
 
 
 def test_best_worst_pairs_per_prompt_skips_ties():
@@ -16,6 +19,12 @@ def test_best_worst_pairs_per_prompt_skips_ties():
     assert pairs.batch["row"].tolist() == [1, 0]  # a: best row 1, worst row 0; b ties; c has one sample
     with pytest.raises(ValueError, match=r"scores must have shape \(6,\)"):
         best_worst_pairs(data, scores[:3])
+
+
+def dpo(log_prob, mask, data, scale=LossScale()):
+    """The registered dpo loss as the actor calls it: the micro-batch rides in PolicyLossInput.data."""
+    inp = PolicyLossInput(log_prob, log_prob.detach(), None, mask, scale=scale, data=data)
+    return get_policy_loss("dpo")(inp, PolicyLossConfig(policy_loss="dpo"))
 
 
 def pair_batch(seed=0):
@@ -28,7 +37,7 @@ def pair_batch(seed=0):
 
 def test_dpo_loss_equals_hand_sums():
     data, log_prob, mask = pair_batch()
-    loss, metrics = get_policy_loss("dpo")(log_prob, None, None, mask, data=data)
+    loss, metrics = dpo(log_prob, mask, data)
     s, r = (log_prob * mask).sum(-1), (data.batch["ref_log_prob"] * mask).sum(-1)
     logits = (s[0::2] - s[1::2]) - (r[0::2] - r[1::2])
     expected = -torch.nn.functional.logsigmoid(0.5 * logits).mean()
@@ -39,19 +48,59 @@ def test_dpo_loss_equals_hand_sums():
 
 def test_dpo_contributions_sum_to_the_global_mean():
     data, log_prob, mask = pair_batch()
-    fn = get_policy_loss("dpo")
-    whole, _ = fn(log_prob, None, None, mask, data=data)
+    whole, _ = dpo(log_prob, mask, data)
     # 2 ranks with one pair each: each contributes loss * 1 / (4 / 2) * 2; ranks are averaged.
-    parts = [fn(log_prob[i:i + 2], None, None, mask[i:i + 2], data=data[i:i + 2], global_seqs=4, dp_size=2)[0]
+    parts = [dpo(log_prob[i:i + 2], mask[i:i + 2], data[i:i + 2], LossScale(global_seqs=4, dp_size=2))[0]
              for i in (0, 2)]
     assert torch.allclose(sum(parts) / 2, whole)
 
 
 def test_dpo_loss_refuses_split_or_shuffled_pairs():
     data, log_prob, mask = pair_batch()
-    fn = get_policy_loss("dpo")
     with pytest.raises(ValueError, match="whole \\(chosen, rejected\\) pairs"):
-        fn(log_prob[:3], None, None, mask[:3], data=data[:3])
+        dpo(log_prob[:3], mask[:3], data[:3])
     shuffled = data[np.array([0, 2, 1, 3])]
     with pytest.raises(ValueError, match="rows of different prompts paired together"):
-        fn(log_prob, None, None, mask, data=shuffled)
+        dpo(log_prob, mask, shuffled)
+    with pytest.raises(ValueError, match="PolicyLossInput.data is None"):
+        dpo(log_prob, mask, None)
+
+
+def test_dpo_loss_declares_the_batch_keys_it_reads():
+    assert get_policy_loss("dpo") is dpo_policy_loss
+    assert dpo_policy_loss.batch_keys == ("ref_log_prob",)
+
+
+# ------------------------------------------------------------------ DPO / IPO on hand numbers
+
+
+def dpo_inputs():
+    # logits = (pc - pr) - (rc - rr) = [2, -1]
+    return (torch.tensor([-1.0, -2.0]), torch.tensor([-3.0, -1.0]),
+            torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0]))
+
+
+def test_dpo_sigmoid_with_label_smoothing():
+    def nls(x):  # -logsigmoid(x)
+        return math.log1p(math.exp(-x))
+
+    loss, m = compute_dpo_loss(*dpo_inputs(), beta=0.5)
+    close(loss, (nls(1.0) + nls(-0.5)) / 2)
+    assert m["dpo/reward_chosen"] == pytest.approx(0.25)  # 0.5 * [1, 0]
+    assert m["dpo/reward_rejected"] == pytest.approx(0.0)  # 0.5 * [-1, 1]
+    assert m["dpo/reward_margin"] == pytest.approx(0.25)  # mean of [1, -0.5]
+    assert m["dpo/accuracy"] == pytest.approx(0.5)
+
+    smooth, _ = compute_dpo_loss(*dpo_inputs(), beta=0.5, label_smoothing=0.1)
+    close(smooth, (0.9 * nls(1.0) + 0.1 * nls(-1.0) + 0.9 * nls(-0.5) + 0.1 * nls(0.5)) / 2)
+
+
+def test_dpo_ipo_and_errors():
+    loss, _ = compute_dpo_loss(*dpo_inputs(), beta=0.5, loss_type="ipo")
+    close(loss, ((2 - 1) ** 2 + (-1 - 1) ** 2) / 2)  # target margin 1 / (2 * 0.5) = 1
+    with pytest.raises(ValueError, match="loss_type"):
+        compute_dpo_loss(*dpo_inputs(), loss_type="hinge2")
+    with pytest.raises(ValueError, match="sigmoid loss only"):
+        compute_dpo_loss(*dpo_inputs(), loss_type="ipo", label_smoothing=0.1)
+    with pytest.raises(ValueError, match=r"shape \(B,\)"):
+        compute_dpo_loss(*(t.unsqueeze(0) for t in dpo_inputs()))

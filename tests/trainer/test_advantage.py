@@ -7,10 +7,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from rlcore.algos import AdaptiveKLController, register_advantage_estimator
 from rlcore.protocol import DataProto
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.config import AlgorithmConfig
-from rlcore.trainer.core_algos import AdaptiveKLController, register_advantage_estimator
 
 
 def algo(**overrides):

@@ -1,6 +1,9 @@
-"""Recipe configs: defaults filled from the recipe dataclasses and the workers' own tables, and
-every unknown section, key or ill-typed value refused by name, through load_config and through
-Hydra composition over a registered schema."""
+"""Recipe configs: defaults filled from the section dataclasses (rlcore.trainer.config.SECTIONS), and
+every unknown section, key, ill-typed or out-of-range value refused by name, through load_config and
+through Hydra composition over a registered schema (also the real recipes/config/grpo.yaml)."""
+
+import dataclasses
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -8,8 +11,14 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError
 
+import recipes.grpo  # registers grpo_schema
+from rlcore.engines.base import RolloutConfig
+from rlcore.trainer.config import SECTIONS as ALL_SECTIONS
 from rlcore.trainer.config import ConfigError, load_config, register_schema
-from rlcore.workers.actor import ACTOR_DEFAULTS
+from rlcore.typed_config import read_section
+from rlcore.workers.config import ActorConfig
+
+RECIPE_CONFIGS = Path(__file__).resolve().parents[2] / "recipes" / "config"
 
 SECTIONS = ("model", "actor", "rollout", "reward", "data", "trainer", "algorithm")
 
@@ -17,7 +26,7 @@ SECTIONS = ("model", "actor", "rollout", "reward", "data", "trainer", "algorithm
 def test_defaults_fill_every_section_and_given_values_win():
     cfg = load_config({"actor": {"lr": 3e-4}, "data": {"arithmetic": {"max_operand": 9}}}, SECTIONS)
     assert cfg.actor.lr == 3e-4
-    assert cfg.actor.clip_ratio_low == ACTOR_DEFAULTS["clip_ratio_low"]  # the worker's own table
+    assert cfg.actor.clip_ratio_low == ActorConfig().clip_ratio_low == 0.2  # the section dataclass's default
     assert cfg.data.arithmetic.max_operand == 9 and cfg.data.arithmetic.ops == "+"
     assert cfg.rollout.stop == [] and cfg.rollout.backend == "hf"
     assert cfg.algorithm.kl_ctrl.type == "fixed"
@@ -62,8 +71,74 @@ def test_hydra_composition_over_the_schema(tmp_path):
     with initialize_config_dir(config_dir=str(tmp_path), version_base=None):
         cfg = compose("app", overrides=["actor.lr=0.5", "trainer.cpus_per_proc=2"])  # keys only the schema has
         assert cfg.trainer.total_steps == 7 and cfg.actor.lr == 0.5 and cfg.trainer.cpus_per_proc == 2
-        assert load_config(cfg, SECTIONS).actor.clip_ratio_high == ACTOR_DEFAULTS["clip_ratio_high"]
+        assert load_config(cfg, SECTIONS).actor.clip_ratio_high == ActorConfig().clip_ratio_high
         with pytest.raises(ConfigCompositionException, match="foo.bar"):
             compose("app", overrides=["foo.bar=1"])
         with pytest.raises(ConfigCompositionException, match="actor.lrr"):
             compose("app", overrides=["actor.lrr=1"])
+
+
+def test_an_ill_typed_value_names_the_key_and_the_expected_type():
+    with pytest.raises(ConfigError, match=r"config key actor\.lr: .*'abc'.*\(expected float\)"):
+        load_config({"actor": {"lr": "abc"}}, SECTIONS)
+
+
+@pytest.mark.parametrize("text", ["no", "off", "false", "No"])
+def test_boolean_words_load_as_false(text):
+    assert load_config({"rollout": {"do_sample": text}}, SECTIONS).rollout.do_sample is False
+    assert read_section({"rollout": {"do_sample": text}}, "rollout", RolloutConfig).do_sample is False
+
+
+def test_a_word_that_is_not_a_boolean_is_refused():
+    assert load_config({"rollout": {"do_sample": "yes"}}, SECTIONS).rollout.do_sample is True
+    with pytest.raises(ConfigError, match=r"rollout\.do_sample.*maybe.*\(expected bool\)"):
+        load_config({"rollout": {"do_sample": "maybe"}}, SECTIONS)
+    with pytest.raises(ConfigError, match=r"rollout\.do_sample"):
+        read_section({"rollout": {"do_sample": "maybe"}}, "rollout", RolloutConfig)
+
+
+@pytest.mark.parametrize("given, section, reason", [
+    ({"actor": {"loss_agg_mode": "bogus"}}, "actor", "loss_agg_mode 'bogus'"),
+    ({"actor": {"clip_ratio_high": -0.1}}, "actor", "clip ratios must be >= 0"),
+    ({"actor": {"kl_loss_type": "k4"}}, "actor", "kl_loss_type 'k4'"),
+    ({"rollout": {"top_p": 0}}, "rollout", r"top_p must be in \(0, 1\]"),
+    ({"trainer": {"backend": "slurm"}}, "trainer", "trainer.backend must be one of"),
+])
+def test_a_range_or_choice_check_is_a_config_error_naming_the_section(given, section, reason):
+    with pytest.raises(ConfigError, match=rf"config section '{section}': .*{reason}"):
+        load_config(given, SECTIONS)
+
+
+def test_read_section_gives_the_frozen_dataclass_and_leaves_other_sections_alone():
+    whole = {"rollout": {"n": 4, "stop": ["\\n"]}, "not_a_section": {"anything": 1}}
+    rollout = read_section(whole, "rollout", RolloutConfig)
+    assert isinstance(rollout, RolloutConfig) and rollout.n == 4 and rollout.stop == ["\\n"]
+    assert rollout.stop_token_ids == [] and rollout.top_p == RolloutConfig().top_p
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rollout.n = 5
+    assert read_section({}, "actor", ActorConfig) == ActorConfig()  # a missing section: all defaults
+    with pytest.raises(ConfigError, match="no 'actor' section"):
+        read_section({}, "actor", ActorConfig, required=True)
+
+
+def test_the_grpo_recipe_yaml_composes_every_key_of_its_sections():
+    with initialize_config_dir(config_dir=str(RECIPE_CONFIGS), version_base=None):
+        cfg = compose("grpo")
+    assert set(cfg) == set(recipes.grpo.SECTIONS)
+    for name in recipes.grpo.SECTIONS:
+        assert set(cfg[name]) == {f.name for f in dataclasses.fields(ALL_SECTIONS[name])}, name
+    assert cfg.actor.use_kl_loss is True and cfg.trainer.total_steps == 300  # grpo.yaml
+    assert cfg.actor.lr == 2.0e-4 and cfg.rollout.n == 8 and cfg.trainer.cpus_per_proc == 2  # base.yaml
+    assert cfg.actor.clip_ratio_low == ActorConfig().clip_ratio_low  # the schema's default
+    assert cfg.model.path is None
+    loaded = load_config(cfg, recipes.grpo.SECTIONS)
+    assert loaded.algorithm.adv_estimator == "grpo" and loaded.actor.use_kl_loss is True
+
+
+def test_the_grpo_recipe_yaml_refuses_bad_overrides_by_name():
+    with initialize_config_dir(config_dir=str(RECIPE_CONFIGS), version_base=None):
+        assert compose("grpo", overrides=["actor.lr=0.5"]).actor.lr == 0.5
+        with pytest.raises(ConfigCompositionException, match=r"actor\.lrr"):
+            compose("grpo", overrides=["actor.lrr=1"])
+        with pytest.raises(ConfigCompositionException, match=r"actor\.lr"):
+            compose("grpo", overrides=["actor.lr=abc"])

@@ -7,8 +7,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from recipes.data.gsm8k import INSTRUCTION, extract_final_answer, main
-from rlcore.models.tiny import build_char_tokenizer
 from rlcore.data.dataset import PromptDataset
+from rlcore.models.tiny import build_char_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 

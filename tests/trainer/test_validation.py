@@ -7,9 +7,9 @@ import torch
 
 from rlcore.models.tiny import build_char_tokenizer
 from rlcore.protocol import DataProto
+from rlcore.rewards.manager import RuleRewardManager
 from rlcore.single_controller import ClassWithInitArgs, Dispatch, LocalWorkerGroup, Worker, register
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.rewards.manager import RuleRewardManager
 
 TOK = build_char_tokenizer()
 

@@ -1,7 +1,12 @@
-"""Fixtures of the worker tests: one tiny model directory per session, a batch factory.
+"""Fixtures of the worker tests: one tiny model directory per session, a batch factory, a check
+that every key of a config section is documented.
 
 The session-wide Ray instance is ``ray_cluster`` from tests/conftest.py.
 """
+
+import dataclasses
+import inspect
+import re
 
 import pytest
 import torch
@@ -42,3 +47,19 @@ def rollout_batch(prompt_lens=(5, 3, 4, 2), response_lens=(6, 5, 1, 2), prompt_w
 @pytest.fixture
 def make_batch():
     return rollout_batch
+
+
+def field_comments(cls) -> dict[str, str]:
+    """Field name -> the comment on its declaration line, over the dataclass and the dataclasses it extends."""
+    comments = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            for m in re.finditer(r"^    (\w+): [^\n=]+=[^\n#]*#\s*(\S.*)$", inspect.getsource(klass), re.M):
+                comments[m.group(1)] = m.group(2)
+    return comments
+
+
+@pytest.fixture
+def undocumented_fields():
+    """A section dataclass's fields that have no comment: a field's comment is its documentation."""
+    return lambda cls: [f.name for f in dataclasses.fields(cls) if f.name not in field_comments(cls)]

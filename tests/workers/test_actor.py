@@ -1,6 +1,7 @@
 """ActorWorker against hand computations with the plain HF model, in-process and as 2 FSDP2 ranks."""
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -8,11 +9,14 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlcore.algos.losses import PolicyLossConfig, PolicyLossInput, get_policy_loss, register_policy_loss
+from rlcore.engines.base import RolloutConfig
+from rlcore.models.config import ModelConfig
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, RayResourcePool, RayWorkerGroup, WorkerError
-from rlcore.trainer.core_algos import get_policy_loss, register_policy_loss
-from rlcore.workers import actor as actor_module
+from rlcore.typed_config import ConfigError, read_section
 from rlcore.workers.actor import ActorWorker
-from rlcore.workers.fsdp_utils import build_lr_scheduler, lr_multiplier, resolve_config, resolve_device
+from rlcore.workers.config import ActorConfig, TrainConfig, worker_device
+from rlcore.workers.fsdp_utils import build_lr_scheduler, lr_multiplier
 
 LR = 0.1
 
@@ -105,9 +109,11 @@ def test_update_is_dp_invariant_and_equals_global_token_mean_gradient(ray_actor,
     log_prob, _ = hand_log_probs(model, data)
     b, ppo = data.batch, get_policy_loss("ppo")
 
+    settings = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")
+
     def loss_on(rows):
-        return ppo(log_prob[rows], b["old_log_probs"][rows], b["advantages"][rows], b["response_mask"][rows],
-                   clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean")[0]
+        inp = PolicyLossInput(log_prob[rows], b["old_log_probs"][rows], b["advantages"][rows], b["response_mask"][rows])
+        return ppo(inp, settings)[0]
 
     global_loss = loss_on(slice(None))
     expected_grads = torch.autograd.grad(global_loss, params, retain_graph=True)
@@ -189,9 +195,8 @@ def test_bf16_mixed_precision_keeps_float32_parameters(tiny_model_dir, make_batc
 
     bad = actor_config(tiny_model_dir)
     bad["model"].update(mixed_precision="bfloat16", dtype="bfloat16")
-    wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, bad), 1)
-    with pytest.raises(WorkerError, match="model.dtype is 'bfloat16'"):
-        wg.init_model()
+    with pytest.raises(ConfigError, match="config section 'model': .*model.dtype is 'bfloat16'"):  # at construction
+        LocalWorkerGroup(ClassWithInitArgs(ActorWorker, bad), 1)
 
 
 def test_dynamic_batch_size_gives_the_same_results(tiny_model_dir, make_batch):
@@ -220,17 +225,24 @@ def test_kl_loss_and_rollout_importance_weights(tiny_model_dir, make_batch):
 
 
 def test_registered_loss_may_read_the_micro_batch(tiny_model_dir, make_batch):
+    seen_settings = []
+
     @register_policy_loss("test_weighted_ppo")
-    def weighted_ppo(log_prob, old_log_prob, advantages, response_mask, *, data, **kwargs):
-        loss, metrics = get_policy_loss("ppo")(log_prob, old_log_prob, advantages * data.batch["weight"][:, None],
-                                               response_mask, **kwargs)
-        return loss, {**metrics, "weight_seen": float(data.batch["weight"].sum())}
+    def weighted_ppo(inp, cfg):
+        weight = inp.data.batch["weight"]
+        seen_settings.append(cfg)
+        loss, metrics = get_policy_loss("ppo")(dataclasses.replace(inp, advantages=inp.advantages * weight[:, None]), cfg)
+        return loss, {**metrics, "weight_seen": float(weight.sum())}
+
+    weighted_ppo.batch_keys = ("weight",)  # the actor keeps declared keys in the micro-batch
 
     wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir, policy_loss="test_weighted_ppo")), 1)
     wg.init_model()
     data = with_old_log_probs(wg, make_batch())
     data.batch["weight"] = torch.tensor([1.0, 2.0, 3.0, 4.0])
     assert wg.update_policy(data)[0]["actor/weight_seen"] == pytest.approx(2.5)  # mean over 4 one-row micro-batches
+    assert len(seen_settings) == 4 and all(isinstance(c, ActorConfig) for c in seen_settings)  # the actor section
+    assert seen_settings[0].policy_loss == "test_weighted_ppo" and seen_settings[0].lr == LR
 
 
 # ------------------------------------------------------------------------------------ roles and config
@@ -250,28 +262,34 @@ def test_actor_role_refuses_ref_log_prob(local_actor, make_batch):
 
 
 def test_config_errors_name_the_key(tiny_model_dir):
-    with pytest.raises(ValueError, match=r"actor\.clip_ratio\b"):
+    with pytest.raises(ConfigError, match=r"actor\.clip_ratio\b"):
         ActorWorker(actor_config(tiny_model_dir, clip_ratio=0.3))
+    with pytest.raises(ConfigError, match=r"config key actor\.lr: .*\(expected float\)"):
+        ActorWorker(actor_config(tiny_model_dir, lr="abc"))
     with pytest.raises(ValueError, match="model.path is required"):
         ActorWorker({"actor": {}})
     with pytest.raises(ValueError, match="unknown policy loss 'ppo2'"):
         ActorWorker(actor_config(tiny_model_dir, policy_loss="ppo2"))
-    with pytest.raises(ValueError, match="loss_agg_mode"):
+    with pytest.raises(ConfigError, match="config section 'actor': loss_agg_mode 'sum'"):
         ActorWorker(actor_config(tiny_model_dir, loss_agg_mode="sum"))
     with pytest.raises(ValueError, match="role"):
         ActorWorker(actor_config(tiny_model_dir), role="critic")
-    cfg = resolve_config({"model": {"path": "x"}, "rollout": {"n": 4}}, {"model": {"path": None, "dtype": "float32"}})
-    assert cfg.model.dtype == "float32" and cfg.rollout.n == 4  # sections a worker does not own pass through
-    assert resolve_device(cfg) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    worker = ActorWorker({**actor_config(tiny_model_dir), "rollout": {"n": 4}})
+    assert isinstance(worker.model_cfg, ModelConfig) and worker.model_cfg.dtype == "float32"
+    assert isinstance(worker.train_cfg, ActorConfig) and worker.train_cfg.lr == LR
+    assert worker.train_cfg.clip_ratio_low == ActorConfig().clip_ratio_low  # defaults from the dataclass
+    assert worker.config["rollout"] == {"n": 4}  # the raw whole config: sections a worker does not own pass through
+    assert read_section(worker.config, "rollout", RolloutConfig).n == 4
+    assert worker_device(worker.config) == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert worker_device(OmegaConf.create({"trainer": {"device": "cpu"}})) == torch.device("cpu")
     with pytest.raises(ValueError, match="trainer.device must be"):
-        resolve_device(OmegaConf.create({"trainer": {"device": "tpu"}}))
+        worker_device(OmegaConf.create({"trainer": {"device": "tpu"}}))
 
 
-def test_every_default_is_documented():
-    for key in actor_module.ACTOR_DEFAULTS:
-        assert f"actor.{key} " in actor_module.__doc__, key
-    for key in actor_module.MODEL_DEFAULTS:
-        assert f"model.{key} " in actor_module.__doc__, key
+@pytest.mark.parametrize("section", [ActorConfig, ModelConfig])
+def test_every_key_of_the_actor_sections_is_documented(section, undocumented_fields):
+    """A field's comment is its documentation (``--cfg job`` shows the key, the source says what it means)."""
+    assert undocumented_fields(section) == []
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -279,8 +297,7 @@ def test_lr_schedule_warmup_then_cosine():
     assert [lr_multiplier(s, 2, 6, "cosine") for s in range(8)] == pytest.approx(expected)
     assert [lr_multiplier(s, 0, 4, "linear", min_lr_ratio=0.2) for s in range(5)] == pytest.approx([1, 0.8, 0.6, 0.4, 0.2])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    cfg = resolve_config({"a": {"warmup_steps": 2, "total_steps": 6, "lr_scheduler": "cosine"}},
-                         {"a": {"warmup_steps": 0, "total_steps": None, "lr_scheduler": "constant", "min_lr_ratio": 0.0}}).a
+    cfg = TrainConfig(warmup_steps=2, total_steps=6, lr_scheduler="cosine")
     scheduler, seen = build_lr_scheduler(optimizer, cfg), []
     for _ in range(4):
         seen.append(optimizer.param_groups[0]["lr"])

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 import rlcore.algos.preference  # noqa: F401  (registers the "dpo" policy loss)
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup

@@ -6,13 +6,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlcore.models.tiny import build_char_tokenizer
 from rlcore.data.dataset import (
     PromptDataset,
     PromptLoader,
     ResumableBatchSampler,
     collate_prompts,
 )
+from rlcore.models.tiny import build_char_tokenizer
 
 # build_char_tokenizer: <pad>=0, digits '0'..'9' = 4..13, '+'=14, '='=18, ' '=19, 'a'=20 ...
 

@@ -1,0 +1,136 @@
+"""vLLM engine against the HF engine and hand-computed log-probs (one fp32 engine, CPU), both in
+the trainer's layout (the rollout worker with backend=vllm: tests/workers/test_rollout_vllm.py).
+
+Tolerance: with an fp32 engine vLLM's log-probs agree with HF's / a hand log_softmax to within
+1e-5 (measured: <= 5e-7 on the tiny model); greedy tokens agree exactly.
+"""
+
+import pytest
+import torch
+from engine_fixtures import PROMPTS, generate, hand_log_probs, make_prompts, settings, unpadded
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlcore.engines import RolloutConfig, SamplingSettings, build_engine
+from rlcore.engines.hf_engine import HFEngine
+from rlcore.models.config import ModelConfig
+from rlcore.models.tiny import build_tiny_model
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+MAX_NEW = 16
+LOGPROB_TOL = 1e-5
+LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_vllm"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def ref_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir):
+    from rlcore.engines.vllm_engine import VLLMEngine
+
+    cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_memory_bytes=1 << 28,
+                        max_model_len=128)
+    engine = build_engine(ModelConfig(path=model_dir), cfg)
+    assert isinstance(engine, VLLMEngine)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def hf_engine(model_dir):
+    return HFEngine(ModelConfig(path=model_dir), RolloutConfig(max_new_tokens=MAX_NEW))
+
+
+GREEDY = settings(do_sample=False, max_new_tokens=MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(hf_engine, tok):
+    return generate(hf_engine, make_prompts(tok), GREEDY)
+
+
+def _stop_settings(kind: str, hf_greedy, tok) -> SamplingSettings:
+    """Stop conditions taken from the greedy continuations themselves, so that they do fire."""
+    responses = hf_greedy.batch["responses"]
+    if kind == "greedy":
+        return GREEDY
+    if kind == "stop_token_ids":
+        return settings(do_sample=False, max_new_tokens=MAX_NEW,
+                        stop_token_ids=tuple(sorted({int(r[5]) for r in responses[:2]})))
+    text = tok.decode(responses[1], skip_special_tokens=True)
+    return settings(do_sample=False, max_new_tokens=MAX_NEW, stop=(text[3:5], "never"))  # spans two tokens
+
+
+@pytest.mark.parametrize("kind", ["greedy", "stop_token_ids", "stop_string"])
+def test_greedy_matches_hf_token_for_token(vllm_engine, hf_engine, hf_greedy, tok, kind):
+    sampling = _stop_settings(kind, hf_greedy, tok)
+    out_v = generate(vllm_engine, make_prompts(tok), sampling)
+    out_h = generate(hf_engine, make_prompts(tok), sampling)
+    for key in LAYOUT_KEYS:
+        assert torch.equal(out_v.batch[key], out_h.batch[key]), key
+    torch.testing.assert_close(out_v.batch["rollout_log_probs"], out_h.batch["rollout_log_probs"],
+                               atol=LOGPROB_TOL, rtol=0)
+    assert list(out_v.non_tensor_batch["uid"]) == list(out_h.non_tensor_batch["uid"])
+    lengths = out_v.batch["response_mask"].sum(1)
+    if kind == "greedy":
+        assert torch.equal(out_v.batch["responses"], hf_greedy.batch["responses"])
+    else:
+        assert lengths[1] <= 6 and (lengths[1:] < MAX_NEW).any()  # the stop condition fired, identically
+
+
+@pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
+                                    {"temperature": 1.3, "top_p": 0.3}])
+def test_sampled_log_probs_are_processed_log_probs(vllm_engine, tok, ref_model, params):
+    """vLLM's reported log-prob of each sampled token = log_softmax(filter(logits / T)) by hand."""
+    prompts = make_prompts(tok)
+    out = generate(vllm_engine, make_prompts(tok), settings(max_new_tokens=MAX_NEW, **params))
+    for row in range(len(PROMPTS)):
+        prompt = unpadded(prompts.batch["input_ids"][row], prompts.batch["attention_mask"][row])
+        length = int(out.batch["response_mask"][row].sum())
+        response = out.batch["responses"][row, :length].tolist()
+        expected = hand_log_probs(ref_model, prompt, response, **params)
+        torch.testing.assert_close(out.batch["rollout_log_probs"][row, :length], expected, atol=LOGPROB_TOL, rtol=0)
+        assert (out.batch["rollout_log_probs"][row, length:] == 0).all()
+
+
+def test_repeated_prompts_get_distinct_samples(vllm_engine, tok):
+    out = generate(vllm_engine, make_prompts(tok), settings(max_new_tokens=MAX_NEW), repeat=4)
+    assert len(out) == 4 * len(PROMPTS)
+    responses = out.batch["responses"].view(len(PROMPTS), 4, MAX_NEW)
+    for group in responses:  # 4 samples of 16 tokens from a near-uniform model: all different
+        assert len({tuple(r.tolist()) for r in group}) == 4
+    assert out.meta_info["rollout/tokens_per_s"] > 0
+
+
+def test_ignore_eos_gives_full_length_responses(vllm_engine, tok):
+    stopped = generate(vllm_engine, make_prompts(tok), settings(max_new_tokens=MAX_NEW), repeat=8)
+    lengths = stopped.batch["response_mask"].sum(1)
+    ends = stopped.batch["responses"].gather(1, (lengths - 1).unsqueeze(1)).squeeze(1)
+    assert (lengths < MAX_NEW).any() and (ends[lengths < MAX_NEW] == tok.eos_token_id).all()
+
+    full = generate(vllm_engine, make_prompts(tok), settings(max_new_tokens=MAX_NEW, ignore_eos=True), repeat=8)
+    assert (full.batch["response_mask"] == 1).all()
+    assert (full.batch["responses"][:, :-1] == tok.eos_token_id).any()  # eos inside a response, which went on
+
+
+def test_ids_and_partial_weight_updates_are_refused(vllm_engine, hf_engine, ref_model):
+    assert (vllm_engine.pad_token_id, vllm_engine.eos_token_id) == (hf_engine.pad_token_id, hf_engine.eos_token_id)
+    state = ref_model.state_dict()
+    assert vllm_engine.weight_names == set(state)
+    with pytest.raises(KeyError, match="1 missing"):
+        vllm_engine.load_weights({k: v for k, v in state.items() if "lm_head" not in k})
+    with pytest.raises(KeyError, match="1 unexpected"):
+        vllm_engine.load_weights({**state, "extra.weight": torch.zeros(1)})
