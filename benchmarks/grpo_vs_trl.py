@@ -42,12 +42,12 @@ def run_rlcore(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from rlcore.protocol import DataProto
-    from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls
-    from rlcore.trainer.core_algos import compute_grpo_outcome_advantage
+    from rlcore.algos.advantages import compute_grpo_outcome_advantage
     from rlcore.data.dataset import collate_prompts
-    from rlcore.workers.actor import ActorWorker
+    from rlcore.protocol import DataProto
     from rlcore.rewards.manager import RuleRewardManager
+    from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls
+    from rlcore.workers.actor import ActorWorker
     from rlcore.workers.rollout import RolloutWorker
 
     tok = AutoTokenizer.from_pretrained(args.model)

@@ -35,8 +35,8 @@ def make_prompts(tokenizer, count: int, max_len: int, seed: int):
     import numpy as np
     import torch
 
-    from rlcore.protocol import DataProto
     from rlcore.data.dataset import collate_prompts
+    from rlcore.protocol import DataProto
 
     rng = np.random.default_rng(seed)
     alphabet = list("0123456789+-*= ")

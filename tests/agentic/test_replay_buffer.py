@@ -11,10 +11,10 @@ from transformers import AutoTokenizer
 
 from rlcore.agentic.replay_buffer import AsyncRolloutLoop, ReplayBuffer, importance_weights
 from rlcore.data.arithmetic import make_arithmetic_examples
+from rlcore.data.dataset import collate_prompts
 from rlcore.models.tiny import build_tiny_model
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
-from rlcore.data.dataset import collate_prompts
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.rollout import RolloutWorker
 

@@ -17,3 +17,4 @@ def test_worker_group_notebook_runs():
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "[0, 10, 20, 30, 40, 50, 60, 70] [0, 0, 0, 0, 1, 1, 1, 1]" in outputs
     assert "max |actor - rollout| log-prob gap" in outputs
+    assert "refused: config key rollout.temprature" in outputs  # a typed section names a misspelt key

@@ -11,6 +11,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,8 +24,10 @@ import recipes.ppo
 import recipes.sft
 from rlcore.data.arithmetic import make_split, write_jsonl
 from rlcore.models.tiny import build_tiny_model
+from rlcore.trainer.config import load_config
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.trainer.warmstart import warm_start
 
 pytestmark = pytest.mark.slow
 CONFIG_DIR = Path(recipes.sft.__file__).parent / "config"
@@ -80,7 +83,7 @@ def test_grpo_builds_its_warm_start_then_trains_on_ray(tmp_path, ray_cluster):
     assert Path(info["model_dir"], "config.json").exists() and 0.0 <= info["val_reward"] <= 1.0
     mtime = marker.stat().st_mtime_ns
     cfg.trainer.run_name = "again"
-    assert recipes.sft.warm_start(recipes.grpo.load_config(cfg, recipes.grpo.SECTIONS)) == info["model_dir"]
+    assert warm_start(load_config(cfg, recipes.grpo.SECTIONS)) == info["model_dir"]
     assert marker.stat().st_mtime_ns == mtime  # reused, not rebuilt
 
 
@@ -169,9 +172,33 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, tiny_model, monkeypatc
     assert any(r["actor/pg_loss"] != 0 for r in expected[1:])  # the policy really trained
 
 
+def run_recipe(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"recipes.{name}", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 def test_unknown_key_on_the_command_line_is_an_error_naming_it(tmp_path):
     for override, named in (("foo.bar=1", "foo.bar"), ("actor.lrr=1", "actor.lrr"), ("+foo.bar=1", "['foo']")):
-        proc = subprocess.run([sys.executable, "-m", "recipes.ppo", override, f"trainer.output_dir={tmp_path}"],
-                              cwd=REPO, capture_output=True, text=True, timeout=120)
+        proc = run_recipe("ppo", override, f"trainer.output_dir={tmp_path}")
         assert proc.returncode != 0
         assert named in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_value_of_the_wrong_type_fails_before_anything_starts(tmp_path):
+    """actor.lr=abc is refused by the typed schema, naming the key, before a warm start or a worker."""
+    start = time.monotonic()
+    proc = run_recipe("grpo", "actor.lr=abc", f"trainer.output_dir={tmp_path}", timeout=60)
+    assert proc.returncode != 0
+    assert "actor.lr" in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    assert time.monotonic() - start < 60
+    assert not any(tmp_path.iterdir())  # no run folder, no warm start
+
+
+def test_cfg_job_prints_every_section_with_its_defaults():
+    proc = run_recipe("grpo", "--cfg", "job")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for section in recipes.grpo.SECTIONS:
+        assert f"\n{section}:\n" in f"\n{proc.stdout}", section
+    for key in ("clip_ratio_high", "gpu_memory_utilization", "timeout_s", "ppo_micro_batch_size_per_gpu",
+                "adv_estimator", "cpus_per_proc", "train_batch_size", "max_new_tokens"):
+        assert f" {key}:" in proc.stdout, key
