@@ -1,19 +1,33 @@
-"""Agentic, asynchronous RL: multi-turn environments in token ids, decoupled rollout/training.
+"""Agentic, asynchronous RL: envs in token ids, episodes as coroutines, engines as services.
 
-- ``env``: the ``Env`` contract (token ids in and out), a registry, the ``guess_number`` game.
-- ``multi_turn``: ``MultiTurnRollout`` runs batches of episodes turn by turn into one trajectory
-  row each, with ``response_mask`` covering only the policy's own tokens.
+- ``env``: the ``Env`` contract (``async reset(task)``, ``async step(action) -> Result``), a registry,
+  the built-in envs (``guess_number``, ``arithmetic_retry``), simulated step latency;
+- ``chat``: ``ChatDelta``, a chat env's turns rendered through the tokenizer's template, one delta
+  at a time;
+- ``episode``: ``play_episode`` (one episode as a coroutine), ``Trajectory``, ``to_dataproto``;
+- ``async_router``: ``AsyncSessionRouter``, every turn of a session on one engine, failover;
+- ``runner``: ``EpisodeRunner``, many episodes at once in a (Ray) actor; ``start_runners``;
+- ``pool``: ``RolloutPool``, the streaming pool of prompt groups in flight;
+- ``multi_turn``: ``MultiTurnRollout``, turn-lockstep episodes on a batched engine, and
+  ``EnvEpisodes``, the rollout worker's ``EpisodeRunner`` built on it;
 - ``replay_buffer``: ``ReplayBuffer`` (staleness-bounded, version-tagged rows),
-  ``importance_weights`` for stale rows, ``AsyncRolloutLoop`` (a rollout producer thread).
-- ``router``: ``SessionRouter`` keeps each session's turns on one engine (prefix-cache reuse).
+  ``importance_weights``, ``AsyncRolloutLoop`` (a producer thread over a rollout group);
+- ``router``: ``SessionRouter`` over synchronous engines (batched turns).
 """
 
-from rlcore.agentic.env import Env, GuessNumberEnv, StepResult, make_env, register_env
+from rlcore.agentic.async_router import AsyncSessionRouter
+from rlcore.agentic.chat import ChatDelta
+from rlcore.agentic.env import ArithmeticRetryEnv, Env, GuessNumberEnv, LatencyEnv, Result, make_env, register_env
+from rlcore.agentic.episode import EnvError, Trajectory, play_episode, to_dataproto
 from rlcore.agentic.multi_turn import EnvEpisodes, MultiTurnRollout
+from rlcore.agentic.pool import RolloutError, RolloutPool
 from rlcore.agentic.replay_buffer import AsyncRolloutLoop, ReplayBuffer, importance_weights
 from rlcore.agentic.router import SessionRouter, TurnOutput
+from rlcore.agentic.runner import EpisodeRunner, EpisodeSpec, start_runners
 
 __all__ = [
-    "AsyncRolloutLoop", "Env", "EnvEpisodes", "GuessNumberEnv", "MultiTurnRollout", "ReplayBuffer", "SessionRouter", "StepResult",
-    "TurnOutput", "importance_weights", "make_env", "register_env",
+    "ArithmeticRetryEnv", "AsyncRolloutLoop", "AsyncSessionRouter", "ChatDelta", "Env", "EnvEpisodes", "EnvError",
+    "EpisodeRunner", "EpisodeSpec", "GuessNumberEnv", "LatencyEnv", "MultiTurnRollout", "ReplayBuffer", "Result",
+    "RolloutError", "RolloutPool", "SessionRouter", "Trajectory", "TurnOutput", "importance_weights", "make_env",
+    "play_episode", "register_env", "start_runners", "to_dataproto",
 ]

@@ -1,42 +1,59 @@
-"""Environments for multi-turn rollouts, in token ids, plus a registry and one real game.
+"""Environments for agentic episodes: token ids in and out, asynchronous, one episode per instance.
 
 Why token ids and not text: a trajectory that is decoded to text and tokenized again need not
 give back the tokens the policy sampled (merges, whitespace, special tokens), and then the
 log-probs the trainer recomputes describe a different sequence than the one the sampler scored.
 So the env receives the model's tokens untouched (it may decode them to *read* them) and answers
-with token ids it encoded itself with its own tokenizer; the rollout only ever concatenates ids.
+with token ids it encoded itself with the policy's tokenizer; the episode only ever concatenates
+ids. (``rlcore.agentic.chat.ChatDelta`` renders a chat env's turns through the tokenizer's chat
+template, one delta at a time, so earlier ids never change.)
 
-Contract (one episode per instance; ``reset`` starts a new one):
+Why asynchronous: a step may wait on a tool, a sandbox, a web request. ``await env.step(...)``
+lets the episode's coroutine yield, and the engine serves the other episodes meanwhile.
 
-    reset(seed=None, **task) -> observation               the initial prompt, token ids
-    step(action_token_ids)  -> (observation, reward, done, info)
+Contract (a fresh instance per episode; Molt's Env/Result, token-first)::
 
-``observation`` after a step is what the env inserts before the model's next turn (e.g. a tool
-result followed by the cue for the assistant); when ``done`` it may be empty, nothing follows it.
+    observation = await env.reset(task)       # the initial prompt, token ids; task: the dataset row
+    result = await env.step(action_token_ids)  # Result(reward, observation, terminated, truncated, info)
+
+``result.observation`` is what the env inserts before the model's next turn (a tool result, then
+the cue for the assistant); after ``terminated`` or ``truncated`` nothing follows it. Rewards are
+summed over the episode's turns. ``info`` holds scalar diagnostics (logged as means).
+
+Latency: ``make_env(name, tokenizer, step_latency_s=m, latency_sigma=s, **kwargs)`` wraps any env so
+that each step first sleeps a log-normal time of mean ``m`` (heavy-tailed for ``s`` around 1),
+seeded by the task's ``seed``: the stand-in for tools that take time, in benchmarks and recipes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import Any, Callable, NamedTuple
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from rlcore.registry import Registry
 
 Observation = list[int]
 
 
-class StepResult(NamedTuple):
-    observation: Observation
-    reward: float
-    done: bool
-    info: dict[str, Any]
+@dataclass
+class Result:
+    """What one env step returns."""
+
+    reward: float = 0.0
+    observation: Observation = field(default_factory=list)  # token ids before the model's next turn
+    terminated: bool = False  # the episode reached its end (solved, failed for good)
+    truncated: bool = False  # the episode was cut short (a turn limit of the env's own)
+    info: dict[str, float] = field(default_factory=dict)  # scalar diagnostics
 
 
 class Env(ABC):
-    """One episode at a time; owns the tokenizer that encodes its own text."""
+    """One episode per instance; encodes its own text with the policy's tokenizer."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -50,18 +67,45 @@ class Env(ABC):
         return self.tokenizer.decode(list(action_token_ids), skip_special_tokens=True)
 
     @abstractmethod
-    def reset(self, seed: int | None = None, **task: Any) -> Observation: ...
+    async def reset(self, task: Mapping[str, Any]) -> Observation: ...
 
     @abstractmethod
-    def step(self, action_token_ids: Sequence[int]) -> StepResult: ...
+    async def step(self, action_token_ids: Sequence[int]) -> Result: ...
 
 
 _ENVS: Registry[Callable[..., Env]] = Registry("env")
 register_env = _ENVS.register  # decorator: make_env(name, tokenizer, **kwargs) builds the class
 
 
-def make_env(name: str, tokenizer, **kwargs: Any) -> Env:
-    return _ENVS.get(name)(tokenizer, **kwargs)
+def make_env(name: str, tokenizer, step_latency_s: float = 0.0, latency_sigma: float = 1.0, **kwargs: Any) -> Env:
+    """A fresh env: a registered name or ``package.module:Class``, built with ``kwargs``; with a
+    simulated step latency when ``step_latency_s > 0`` (see the module docstring)."""
+    env = _ENVS.get(name)(tokenizer, **kwargs)
+    return LatencyEnv(env, step_latency_s, latency_sigma) if step_latency_s > 0 else env
+
+
+class LatencyEnv(Env):
+    """``env`` whose every step first sleeps a log-normal time of mean ``mean_s`` (sigma ``sigma`` of
+    the log), drawn from a stream seeded by the task's ``seed``."""
+
+    def __init__(self, env: Env, mean_s: float, sigma: float = 1.0) -> None:
+        super().__init__(env.tokenizer)
+        if mean_s <= 0 or sigma < 0:
+            raise ValueError(f"step latency needs mean_s > 0 and sigma >= 0, got {mean_s}, {sigma}")
+        self.env, self.mean_s, self.sigma = env, mean_s, sigma
+        self.rng = random.Random(0)
+
+    async def reset(self, task: Mapping[str, Any]) -> Observation:
+        self.rng = random.Random(task.get("seed", 0))
+        return await self.env.reset(task)
+
+    def delay(self) -> float:
+        # mean of lognormal(mu, sigma) is exp(mu + sigma^2 / 2): choose mu so that it is mean_s
+        return self.rng.lognormvariate(math.log(self.mean_s) - self.sigma ** 2 / 2, self.sigma)
+
+    async def step(self, action_token_ids: Sequence[int]) -> Result:
+        await asyncio.sleep(self.delay())
+        return await self.env.step(action_token_ids)
 
 
 def user_turn(content: str) -> str:
@@ -77,7 +121,7 @@ class GuessNumberEnv(Env):
     The episode ends on a correct guess (reward ``discount ** (turn - 1)``, so 1.0 on the first
     turn: finding it sooner is worth more) or after ``max_turns`` guesses (reward 0). An answer
     is read as the first integer in the decoded text; one with no integer gets "say a number"
-    and uses up its turn. The secret comes from ``reset(target=...)`` or else from ``seed``.
+    and uses up its turn. The secret is the task's ``target``, or else drawn from its ``seed``.
     """
 
     def __init__(self, tokenizer, low: int = 1, high: int = 100, max_turns: int = 6, discount: float = 0.9) -> None:
@@ -93,15 +137,16 @@ class GuessNumberEnv(Env):
         self.turn = 0
         self.done = True
 
-    def reset(self, seed: int | None = None, target: int | None = None) -> Observation:
+    async def reset(self, task: Mapping[str, Any]) -> Observation:
+        target = task.get("target")
         if target is None:
-            target = random.Random(seed).randint(self.low, self.high)
+            target = random.Random(task.get("seed")).randint(self.low, self.high)
         if not self.low <= target <= self.high:
             raise ValueError(f"target {target} is outside [{self.low}, {self.high}]")
         self.target, self.turn, self.done = target, 0, False
         return self.encode(user_turn(f"guess my number from {self.low} to {self.high}."))
 
-    def step(self, action_token_ids: Sequence[int]) -> StepResult:
+    async def step(self, action_token_ids: Sequence[int]) -> Result:
         if self.done:
             raise RuntimeError("step() on a finished episode: call reset() first")
         self.turn += 1
@@ -114,7 +159,8 @@ class GuessNumberEnv(Env):
             reward, self.done = 0.0, self.turn >= self.max_turns
         # Nothing follows a final observation, so it carries no assistant cue.
         text = "\n" + (reply if self.done else user_turn(reply))
-        return StepResult(self.encode(text), reward, self.done, {"guess": guess, "turn": self.turn})
+        return Result(reward, self.encode(text), terminated=self.done,
+                      info={"guessed": float(guess is not None), "turn": float(self.turn)})
 
 
 @register_env("arithmetic_retry")
@@ -136,18 +182,19 @@ class ArithmeticRetryEnv(Env):
         self.question = self.answer = ""
         self.turn, self.done = 0, True
 
-    def reset(self, seed: int | None = None, prompt: str = "", answer: str = "") -> Observation:
-        if not prompt or not answer:
-            raise ValueError("arithmetic_retry.reset needs prompt= (the question) and answer=")
+    async def reset(self, task: Mapping[str, Any]) -> Observation:
+        prompt, answer = task.get("prompt"), task.get("answer")
+        if not prompt or answer is None or str(answer).strip() == "":
+            raise ValueError(f"arithmetic_retry needs a task with 'prompt' (the question) and 'answer', got {dict(task)}")
         self.question, self.answer, self.turn, self.done = prompt, str(answer).strip(), 0, False
         return self.encode(prompt)
 
-    def step(self, action_token_ids: Sequence[int]) -> StepResult:
+    async def step(self, action_token_ids: Sequence[int]) -> Result:
         if self.done:
             raise RuntimeError("step() on a finished episode: call reset() first")
         self.turn += 1
         right = self.decode_action(action_token_ids).strip() == self.answer
         reward = self.discount ** (self.turn - 1) if right else 0.0
         self.done = right or self.turn >= self.max_turns
-        return StepResult([] if self.done else self.encode("\n" + self.question), reward, self.done,
-                          {"right": right, "turn": self.turn})
+        return Result(reward, [] if self.done else self.encode("\n" + self.question), terminated=self.done,
+                      info={"right": float(right), "turn": float(self.turn)})

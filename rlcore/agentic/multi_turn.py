@@ -1,59 +1,36 @@
-"""Multi-turn rollouts: the policy and an environment take turns, in token ids, batched.
+"""Turn-lockstep multi-turn rollouts: the policy and envs take turns, in token ids, batched per turn.
 
-Why one trajectory row per episode: the whole conversation (prompt, model turn, env reply, model
-turn, ...) is one sequence the trainer scores with a single forward pass, so its layout is the
-single-turn one (``rlcore.protocol``): ``prompts`` is the env's first observation, left-padded,
-and ``responses`` is everything after it, right-padded. What differs is ``response_mask``: 1 only
-on tokens the policy sampled, 0 on the env's tokens, so the loss, KL and entropy see exactly the
-policy's own actions while the env's tokens still condition them (``attention_mask`` is 1 on both).
+Each turn is one batched engine call over the episodes still running, then every env steps
+(concurrently, ``asyncio.gather``), then the next turn. A batch of episodes costs about
+``max_turns`` generate calls, and it fits engines that only batch synchronously (the rollout
+worker's engine on its ranks, ``generate_episodes``). Its price: every turn waits for the slowest
+env step of the batch, and the engine idles while the envs step. ``rlcore.agentic.runner`` plays
+episodes as independent coroutines on continuously batching engines instead; this class stays as
+the simple path and the baseline ``benchmarks/agentic.py`` measures that against.
 
-Why batched turn by turn: each turn is one engine call over the episodes still running, so a
-batch of episodes costs about ``max_turns`` generate calls, not ``episodes * max_turns``.
-
-Budget: an episode never exceeds ``max_total_tokens`` (prompt + all turns). A model turn gets at
-most ``min(settings.max_new_tokens, tokens left)`` tokens and, like a response cut at
-``max_new_tokens``, is still handed to the env. An env reply that would leave no room for another
-model token ends the episode as truncated (the reply is not appended); so does ``max_turns``.
+Trajectories, budget and the layout are those of ``rlcore.agentic.episode`` (``play_episode``'s
+rules, turn for turn); tokens carry policy version 0 (the engine's weights do not change during a
+call).
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from rlcore.agentic.env import Env, make_env
+from rlcore.agentic.episode import Trajectory, continue_after, env_call, to_dataproto
 from rlcore.agentic.router import SessionRouter
-from rlcore.data.dataset import collate_prompts
+from rlcore.engines.async_base import Completion
 from rlcore.engines.base import Engine, Generation, SamplingSettings
 from rlcore.protocol import DataProto
 
 GenerateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SamplingSettings], Generation]
-
-
-@dataclasses.dataclass
-class _Episode:
-    prompt: list[int]
-    tokens: list[int] = dataclasses.field(default_factory=list)  # everything after the prompt
-    policy: list[int] = dataclasses.field(default_factory=list)  # 1 where the model sampled the token
-    log_probs: list[float] = dataclasses.field(default_factory=list)
-    reward: float = 0.0
-    turns: int = 0
-    engine: int = 0  # the router's engine that took its turns
-    done: bool = False
-    truncated: bool = False
-
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.tokens)
-
-    def extend(self, tokens: list[int], log_probs: list[float] | None) -> None:
-        self.tokens += tokens
-        self.policy += [int(log_probs is not None)] * len(tokens)
-        self.log_probs += log_probs if log_probs is not None else [0.0] * len(tokens)
 
 
 class MultiTurnRollout:
@@ -68,7 +45,7 @@ class MultiTurnRollout:
     """
 
     def __init__(self, engine: Any, tokenizer, env_factory: Callable[[], Env], max_turns: int,
-                 max_total_tokens: int, settings: SamplingSettings) -> None:
+                 max_total_tokens: int, settings: SamplingSettings, step_timeout_s: float = 60.0) -> None:
         if not isinstance(engine, SessionRouter):
             generate = getattr(engine, "generate", engine)
             if not callable(generate):
@@ -86,109 +63,66 @@ class MultiTurnRollout:
         self._runs = 0
         self.env_factory, self.max_turns, self.max_total_tokens, self.settings = (
             env_factory, max_turns, max_total_tokens, settings)
+        self.step_timeout_s = step_timeout_s
 
     def run(self, tasks: Sequence[Mapping[str, Any]], seeds: Sequence[int] | None = None) -> DataProto:
-        """One episode per task (``env.reset(seed=seeds[i], **tasks[i])``; seeds default to 0..n-1)."""
+        """One episode per task (``env.reset({**tasks[i], "seed": seeds[i]})``; seeds default to 0..n-1)."""
         if not tasks:
             raise ValueError("MultiTurnRollout.run needs at least one task")
         seeds = list(range(len(tasks))) if seeds is None else list(seeds)
         if len(seeds) != len(tasks):
             raise ValueError(f"got {len(seeds)} seeds for {len(tasks)} tasks")
-        envs = [self.env_factory() for _ in tasks]
-        episodes = [_Episode(list(env.reset(seed=s, **t))) for env, s, t in zip(envs, seeds, tasks)]
         self._runs += 1
-        sessions = [(id(self), self._runs, i) for i in range(len(episodes))]
-        for i, ep in enumerate(episodes):
-            if not 0 < len(ep.prompt) < self.max_total_tokens:
-                raise ValueError(f"episode {i}: initial observation has {len(ep.prompt)} tokens; it needs 1 to "
-                                 f"max_total_tokens - 1 = {self.max_total_tokens - 1}")
-        gen_time = 0.0
+        sessions = [(id(self), self._runs, i) for i in range(len(tasks))]
         try:
-            for _ in range(self.max_turns):
-                alive = [i for i, ep in enumerate(episodes) if not (ep.done or ep.truncated)]
-                if not alive:
-                    break
-                start = time.perf_counter()
-                actions = self._generate_turn([episodes[i] for i in alive], [sessions[i] for i in alive])
-                gen_time += time.perf_counter() - start
-                for i, (tokens, log_probs) in zip(alive, actions):
-                    self._take_turn(episodes[i], envs[i], tokens, log_probs)
+            trajectories, gen_time = asyncio.run(self._play(tasks, seeds, sessions))
         finally:
             live = self.router.sessions
             for session in sessions:  # over: the engines' load drops
                 if session in live:
                     self.router.release(session)
-        for ep in episodes:
-            ep.truncated = ep.truncated or not ep.done  # ran out of max_turns
-        return self._to_dataproto(episodes, gen_time)
+        out = to_dataproto(trajectories, self.pad_token_id, 1.0 if self.settings.greedy else self.settings.temperature)
+        out.meta_info.update({"rollout/gen_time_s": gen_time,
+                              "rollout/num_generated_tokens": int(out.batch["response_mask"].sum())})
+        return out
 
-    def _generate_turn(self, episodes: list[_Episode], sessions: list) -> list[tuple[list[int], list[float]]]:
-        budgets = [min(self.settings.max_new_tokens, self.max_total_tokens - len(ep)) for ep in episodes]
+    async def _play(self, tasks, seeds, sessions) -> tuple[list[Trajectory], float]:
+        envs = [self.env_factory() for _ in tasks]
+        observations = await asyncio.gather(*[
+            env_call("reset", env.reset({**task, "seed": seed}), self.step_timeout_s, env, session, 0)
+            for env, task, seed, session in zip(envs, tasks, seeds, sessions)])
+        trajectories = [Trajectory(list(obs)) for obs in observations]
+        for i, traj in enumerate(trajectories):
+            if not 0 < len(traj.prompt_ids) < self.max_total_tokens:
+                raise ValueError(f"episode {i}: initial observation has {len(traj.prompt_ids)} tokens; it needs 1 "
+                                 f"to max_total_tokens - 1 = {self.max_total_tokens - 1}")
+        live = list(range(len(trajectories)))
+        gen_time = 0.0
+        for turn in range(1, self.max_turns + 1):
+            if not live:
+                break
+            start = time.perf_counter()
+            self._generate_turn([trajectories[i] for i in live], [sessions[i] for i in live])
+            gen_time += time.perf_counter() - start
+            results = await asyncio.gather(*[
+                env_call("step", envs[i].step(trajectories[i].last_action),
+                         self.step_timeout_s, envs[i], sessions[i], turn) for i in live])
+            live = [i for i, result in zip(live, results) if continue_after(trajectories[i], result,
+                                                                           self.max_total_tokens)]
+        for i in live:
+            trajectories[i].truncated = True  # ran out of max_turns
+        return trajectories, gen_time
+
+    def _generate_turn(self, trajectories: list[Trajectory], sessions: list) -> None:
+        budgets = [min(self.settings.max_new_tokens, self.max_total_tokens - len(t)) for t in trajectories]
         settings = dataclasses.replace(self.settings, max_new_tokens=max(budgets))
-        turns = self.router.generate_batch(sessions, [ep.prompt + ep.tokens for ep in episodes], settings)
-        out = []
-        for row, (ep, turn, budget) in enumerate(zip(episodes, turns, budgets)):
+        turns = self.router.generate_batch(sessions, [t.context() for t in trajectories], settings)
+        for row, (traj, turn, budget) in enumerate(zip(trajectories, turns, budgets)):
             n = min(len(turn.token_ids), budget)
             if n < 1:
                 raise RuntimeError(f"generate returned an empty turn (length {len(turn.token_ids)}) for row {row}")
-            ep.engine = turn.engine
-            out.append((turn.token_ids[:n], turn.log_probs[:n]))
-        return out
-
-    def _take_turn(self, ep: _Episode, env: Env, tokens: list[int], log_probs: list[float]) -> None:
-        ep.extend(tokens, log_probs)
-        ep.turns += 1
-        observation, reward, done, _ = env.step(tokens)
-        ep.reward += float(reward)
-        if done:
-            ep.done = True
-        elif len(ep) + len(observation) >= self.max_total_tokens:
-            ep.truncated = True
-        else:
-            ep.extend(list(observation), None)
-
-    def _to_dataproto(self, episodes: list[_Episode], gen_time: float) -> DataProto:
-        prompts, _ = collate_prompts([{"input_ids": torch.tensor(ep.prompt)} for ep in episodes], self.pad_token_id)
-        t_r = max(len(ep.tokens) for ep in episodes)
-        n = len(episodes)
-        responses = torch.full((n, t_r), self.pad_token_id, dtype=torch.long)
-        attention = torch.zeros((n, t_r), dtype=torch.long)
-        response_mask = torch.zeros((n, t_r), dtype=torch.long)
-        log_probs = torch.zeros((n, t_r), dtype=torch.float32)
-        scores = torch.zeros((n, t_r), dtype=torch.float32)
-        for row, ep in enumerate(episodes):
-            k = len(ep.tokens)
-            responses[row, :k] = torch.tensor(ep.tokens)
-            attention[row, :k] = 1
-            response_mask[row, :k] = torch.tensor(ep.policy)
-            log_probs[row, :k] = torch.tensor(ep.log_probs)
-            scores[row, max(j for j, p in enumerate(ep.policy) if p)] = ep.reward
-        # Positions continue from the prompt's last one, padding included (it is masked anyway).
-        positions = prompts["position_ids"][:, -1:] + 1 + torch.arange(t_r)
-        greedy = self.settings.greedy
-        return DataProto.from_dict(
-            tensors={
-                "prompts": prompts["input_ids"],
-                "responses": responses,
-                "response_mask": response_mask,
-                "input_ids": torch.cat([prompts["input_ids"], responses], 1),
-                "attention_mask": torch.cat([prompts["attention_mask"], attention], 1),
-                "position_ids": torch.cat([prompts["position_ids"], positions], 1),
-                "rollout_log_probs": log_probs,
-                "token_level_scores": scores,
-            },
-            non_tensors={
-                "num_turns": np.array([ep.turns for ep in episodes], dtype=np.int64),
-                "engine": np.array([ep.engine for ep in episodes], dtype=np.int64),
-                "truncated": np.array([ep.truncated for ep in episodes], dtype=bool),
-            },
-            meta_info={
-                # The temperature rollout_log_probs refer to, read by the actor's compute_log_prob.
-                "temperature": 1.0 if greedy else self.settings.temperature,
-                "rollout/gen_time_s": gen_time,
-                "rollout/num_generated_tokens": int(response_mask.sum()),
-            },
-        )
+            traj.add_model_turn(Completion(turn.token_ids[:n], turn.log_probs[:n], "stop", [0] * n,
+                                           engine_id=turn.engine))
 
 
 class _Engine:

@@ -18,7 +18,7 @@ actor's RNG state is neither consumed nor reset by rollouts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
@@ -141,9 +141,16 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        check_weight_names(set(self.model.state_dict()), state_dict)
+        self.load_partial(state_dict.items())
+
+    @torch.no_grad()
+    def load_partial(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy some of the weights in place (one bucket of a streamed update); unknown names are an error."""
         params = self.model.state_dict()
-        check_weight_names(set(params), state_dict)
-        for name, tensor in state_dict.items():
+        for name, tensor in named_tensors:
+            if name not in params:
+                raise KeyError(f"{name!r} is not a parameter of the rollout model")
             params[name].copy_(tensor)
 
 

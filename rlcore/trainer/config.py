@@ -154,6 +154,33 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # the env's constructor arguments
     max_turns: int = 3  # policy turns per episode at most
     max_total_tokens: int = 64  # prompt + all turns of an episode at most
+    step_timeout_s: float = 60.0  # an env reset/step that takes longer fails the episode (EnvError)
+
+
+@dataclass
+class AgenticConfig:
+    """Engines as services, episode runners and the streaming pool (``recipes/agentic_grpo.py``)."""
+
+    num_engines: int = 1  # engine servers, each a Ray actor on resources of its own
+    cpus_per_engine: float = 1.0  # CPUs each engine server reserves (also its torch threads)
+    gpus_per_engine: float = 0.0
+    num_runners: int = 1  # episode-runner actors (they hold no model: many episodes each, as coroutines)
+    cpus_per_runner: float = 0.0  # runners mostly wait on engines and envs
+    groups_in_flight: int | None = None  # prompt groups being played at once; null: data.train_batch_size
+    max_ready: int | None = None  # finished groups waiting for the trainer at most (backpressure); null: a batch
+    max_staleness: int = 1  # groups whose oldest token is older than this many versions are dropped
+    max_token_staleness: int | None = None  # also mask, token by token, model tokens older than this
+    partial_rollout: bool = False  # weight updates land mid-response (tokens stamped per version); false: between responses
+    bucket_mb: int = 256  # weight-sync bucket size (MiB): the extra memory an engine needs for an update
+    pop_timeout_s: float = 600.0  # the trainer waits this long for groups, then fails
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1 or self.num_runners < 1:
+            raise ValueError(f"agentic needs num_engines >= 1 and num_runners >= 1, got {self.num_engines}, "
+                             f"{self.num_runners}")
+        if self.bucket_mb <= 0 or self.max_staleness < 0:
+            raise ValueError(f"agentic.bucket_mb must be > 0 and max_staleness >= 0, got {self.bucket_mb}, "
+                             f"{self.max_staleness}")
 
 
 SECTIONS: dict[str, type] = {
@@ -170,6 +197,7 @@ SECTIONS: dict[str, type] = {
     "warmstart": WarmStartConfig,
     "replay": ReplayConfig,
     "env": EnvConfig,
+    "agentic": AgenticConfig,
 }
 
 

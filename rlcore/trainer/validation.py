@@ -22,12 +22,16 @@ def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
             f"{prefix}/min": values.min().item()}
 
 
-def validate(rollout: WorkerGroup, batches: Sequence[DataProto], reward_fn: Callable[[DataProto], DataProto]) -> dict[str, float]:
+def validate(rollout: WorkerGroup | Callable[[DataProto], DataProto], batches: Sequence[DataProto],
+             reward_fn: Callable[[DataProto], DataProto]) -> dict[str, float]:
     """Greedy responses to every validation prompt, scored: ``val/reward_mean`` (the fraction
-    correct for 0/1 rewards), ``val/reward_std`` and response-length statistics."""
+    correct for 0/1 rewards), ``val/reward_std`` and response-length statistics. ``rollout`` is a
+    rollout worker group, or any function from prompts to the rollout layout (engine servers)."""
+    # A group's batch may not divide its DP width: pad (and drop the padding) on the way.
+    generate = rollout.generate_sequences.options(pad=True) if isinstance(rollout, WorkerGroup) else rollout
     outputs = []
     for prompts in batches:
-        out = rollout.generate_sequences.options(pad=True)(prompts)  # any size: pad to the DP width
+        out = generate(prompts)
         out.union(reward_fn(out))
         outputs.append(out)
     out = DataProto.concat(outputs)

@@ -36,6 +36,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
+from rlcore.engines.server import push_buckets
+from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
 from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
@@ -103,6 +105,14 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if dist.get_world_size() == 1 and next(model.parameters()).device.type == "cpu":
         state = {k: v.clone() for k, v in state.items()}  # here the "offloaded" tensors are the parameters themselves
     return state
+
+
+def iter_full_tensors(model: nn.Module):
+    """``(name, full CPU tensor)`` for each state-dict entry, one at a time (collective per entry:
+    every rank must iterate it to the end, in the same order)."""
+    for name, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        yield name, full.detach().to("cpu")
 
 
 def export_hf(model: nn.Module, src_dir: str, out_dir: str) -> None:
@@ -332,3 +342,17 @@ class FSDPTrainWorker(Worker):
     def get_full_state_dict(self) -> dict[str, torch.Tensor]:
         """{name: full CPU tensor} from rank 0 (every rank takes part in the gather)."""
         return full_state_dict(self.module)
+
+    @register(Dispatch.COLLECTIVE_RANK_ZERO)
+    def push_weights(self, engines: list, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     in_flight: bool = False, timeout_s: float = 600.0) -> dict[str, float]:
+        """Stream the weights to engine servers (``RemoteEngine``s) as ``version``, in buckets, straight
+        from the FSDP shards: every rank takes part in gathering one parameter at a time; rank 0 packs
+        them into buckets of ``bucket_bytes`` and sends each to every engine, so no rank ever holds the
+        whole model. Returns rank 0's timing and size metrics."""
+        tensors = iter_full_tensors(self.module)
+        if self.rank != 0:
+            for _ in tensors:  # the same gathers in the same order as rank 0
+                pass
+            return {}
+        return push_buckets(engines, pack_buckets(tensors, bucket_bytes), version, in_flight, timeout_s)

@@ -1,15 +1,17 @@
 """MultiTurnRollout: exact trajectories with a scripted policy, structure and log-probs with the HF backend."""
 
+import asyncio
 import functools
 
 import pytest
 import torch
 
-from rlcore.agentic.env import Env, GuessNumberEnv, make_env
-from rlcore.agentic.multi_turn import MultiTurnRollout
-from rlcore.models.tiny import build_char_tokenizer, build_tiny_model
-from rlcore.engines.base import Generation, ModelConfig, RolloutConfig, SamplingSettings
+from rlcore.agentic.env import Env, GuessNumberEnv, Result, make_env
+from rlcore.agentic.multi_turn import EnvEpisodes, MultiTurnRollout
+from rlcore.engines.base import Generation, RolloutConfig, SamplingSettings
 from rlcore.engines.hf_engine import HFEngine
+from rlcore.models.config import ModelConfig
+from rlcore.models.tiny import build_char_tokenizer, build_tiny_model
 
 
 def settings(**kw):
@@ -111,11 +113,11 @@ def test_rollout_max_turns_truncates(tok):
 class PointsEnv(Env):
     """Half a point per turn, never done: rewards add up and land on the last *model* token."""
 
-    def reset(self, seed=None):
+    async def reset(self, task):
         return self.encode("go:")
 
-    def step(self, action_token_ids):
-        return self.encode("ok;"), 0.5, False, {}
+    async def step(self, action_token_ids):
+        return Result(0.5, self.encode("ok;"))
 
 
 def test_step_rewards_sum_onto_the_last_model_token(tok):
@@ -206,11 +208,12 @@ def test_hf_backend_trajectories(hf_backend):
         assert [m for m, _ in runs] == [1, 0] * (len(runs) // 2) + [1] * (len(runs) % 2)
         # Replaying the model's turns in a fresh env gives byte-identical env tokens.
         replay = GuessNumberEnv(tok, max_turns=3)
-        assert seq[: len(seq) - n_resp] == replay.reset(seed=seed)
+        assert seq[: len(seq) - n_resp] == asyncio.run(replay.reset({"seed": seed}))
         total_reward = 0.0
         for (_, action), nxt in zip(runs[::2], runs[1::2] + [None]):
-            obs, reward, done, _ = replay.step(action)
-            total_reward += reward
+            result = asyncio.run(replay.step(action))
+            obs = result.observation
+            total_reward += result.reward
             if nxt is not None:
                 assert nxt[1] == obs
                 env_tokens += len(obs)
@@ -227,9 +230,10 @@ def test_hf_backend_trajectories(hf_backend):
 
 
 # ------------------------------------------------------------------ through a worker group
-def test_generate_multi_turn_on_ray_ranks_equals_in_process(tmp_path, ray_cluster):
-    """RolloutWorker.generate_multi_turn: tasks split over 2 Ray ranks (each rank's episodes of its
-    own widths, aligned when collected) give the in-process group's greedy episodes exactly."""
+def test_generate_episodes_on_ray_ranks_equals_in_process(tmp_path, ray_cluster):
+    """RolloutWorker.generate_episodes with an EnvEpisodes runner: tasks split over 2 Ray ranks (each
+    rank's episodes of its own widths, aligned when collected) give the in-process group's greedy
+    episodes exactly."""
     import numpy as np
 
     from rlcore.protocol import DataProto
@@ -242,16 +246,16 @@ def test_generate_multi_turn_on_ray_ranks_equals_in_process(tmp_path, ray_cluste
     targets = [3, 9, 27, 81, 40]
     tasks = DataProto.from_dict(non_tensors={"task": np.array([{"target": t} for t in targets], dtype=object),
                                              "uid": np.array([f"u{i}" for i in range(5)], dtype=object)},
-                                meta_info={"env": "guess_number", "env_kwargs": {"max_turns": 3}, "max_turns": 3,
-                                           "max_total_tokens": 90, "validate": True})
+                                meta_info={"validate": True})
+    runner = EnvEpisodes(env="guess_number", env_kwargs={"max_turns": 3}, max_turns=3, max_total_tokens=90)
     local = LocalWorkerGroup(ClassWithInitArgs(RolloutWorker, config), world_size=1)
     local.init_model()
     pool = RayResourcePool([2], num_cpus_per_process=0.5, name_prefix="multi_turn_test")
     remote = RayWorkerGroup(pool, ClassWithInitArgs(RolloutWorker, config), default_timeout=300)
     try:
         remote.init_model()
-        one = local.generate_multi_turn(tasks)
-        two = remote.generate_multi_turn.options(pad=True)(tasks)  # 5 tasks over 2 ranks: padded to 6
+        one = local.generate_episodes(tasks, runner)
+        two = remote.generate_episodes.options(pad=True)(tasks, runner)  # 5 tasks over 2 ranks: padded to 6
     finally:
         remote.shutdown()
         pool.shutdown()
@@ -262,5 +266,5 @@ def test_generate_multi_turn_on_ray_ranks_equals_in_process(tmp_path, ray_cluste
     assert list(one.non_tensor_batch["num_turns"]) == list(two.non_tensor_batch["num_turns"])
     assert two.meta_info["rollout/num_generated_tokens"] == int(two.batch["response_mask"].sum())
     with pytest.raises(WorkerError, match="non-tensor 'task' column"):
-        local.generate_multi_turn(DataProto.from_dict(non_tensors={"uid": np.array(["a"], dtype=object)},
-                                                      meta_info=dict(tasks.meta_info)))
+        local.generate_episodes(DataProto.from_dict(non_tensors={"uid": np.array(["a"], dtype=object)},
+                                                    meta_info=dict(tasks.meta_info)), runner)

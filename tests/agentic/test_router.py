@@ -1,5 +1,6 @@
 """SessionRouter: stickiness, balance, release, removal and failover; two real HF engines end to end."""
 
+import asyncio
 import functools
 import threading
 
@@ -10,8 +11,9 @@ from rlcore.agentic.env import GuessNumberEnv
 from rlcore.agentic.multi_turn import MultiTurnRollout
 from rlcore.agentic.router import SessionRouter
 from rlcore.models.tiny import build_tiny_model
-from rlcore.engines.base import Generation, ModelConfig, RolloutConfig, SamplingSettings
+from rlcore.engines.base import Generation, RolloutConfig, SamplingSettings
 from rlcore.engines.hf_engine import HFEngine
+from rlcore.models.config import ModelConfig
 
 GREEDY = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=5, n=1, do_sample=False)
 
@@ -194,13 +196,14 @@ def test_multi_turn_sessions_stay_on_one_real_engine(tmp_path):
     sessions = {}
     for s in range(3):  # different ranges: each session's prompt, hence every context, is its own
         env = GuessNumberEnv(tok, high=100 + 10 * s, max_turns=3)
-        sessions[s] = (env, env.reset(target=50))
+        sessions[s] = (env, asyncio.run(env.reset({"target": 50})))
     turns = {s: [] for s in sessions}
     for _ in range(3):  # interleave the sessions' turns, as concurrent users would
         for s, (env, context) in list(sessions.items()):
             out = router.generate(s, context, GREEDY)
             turns[s].append((list(context), out))
-            obs, _, done, _ = env.step(out.token_ids)
+            result = asyncio.run(env.step(out.token_ids))
+            obs, done = result.observation, result.terminated
             if done:
                 del sessions[s]
             else:

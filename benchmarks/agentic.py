@@ -1,0 +1,170 @@
+"""Agentic rollout speed under env latency: turn-lockstep vs episodes as coroutines vs the bare engine.
+
+    python -m benchmarks.agentic [--episodes 1024] [--concurrency 256] [--latency auto|SECONDS]
+                                 [--backend hf|vllm] [--json out.json]
+
+N episodes of ``arithmetic_retry`` (up to 3 tries, 8 tokens a turn), C of them in flight at a time,
+whose every env step first sleeps a heavy-tailed (log-normal, sigma 1) time with mean about one
+turn's generation time (``--latency auto``: measured first, the time one batched turn of C
+requests takes), all on the same engine and weights:
+
+  (a) lockstep: ``MultiTurnRollout`` on batches of C episodes, one batch after another (one batched
+      generate per turn over the live episodes, then every env steps, concurrently; the next turn
+      waits for the slowest);
+  (b) async:    ``EpisodeRunner`` playing the episodes as coroutines on the asynchronous engine
+      (``AsyncHFEngine`` / ``AsyncVLLMEngine``), streaming: a new episode starts as soon as one of
+      the C ends, so env latency overlaps other episodes' generation and the engine never drains;
+  (c) bare:     the very requests (b) made, issued C at a time to the same engine with no env in
+      between: the engine's own throughput on this work at this concurrency, the limit for (b).
+
+Prints episodes/s and generated tokens/s of each and the ratios b/a and b/c; ``--json`` writes them.
+Timing is reported, never asserted (the test suite runs ``--quick`` to prove it works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+
+import torch
+from transformers import AutoTokenizer
+
+from rlcore.agentic import EpisodeRunner, EpisodeSpec, MultiTurnRollout, make_env
+from rlcore.data.arithmetic import make_arithmetic_examples
+from rlcore.engines import RolloutConfig, SamplingSettings, build_engine
+from rlcore.engines.server import build_async_engine
+from rlcore.models import ModelConfig, build_tiny_model
+
+
+class Recorder:
+    """An async engine wrapper that records every request (context ids, budget) it passes on."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.requests = engine, []
+        self.pad_token_id = engine.pad_token_id
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        self.requests.append((list(prompt_ids), sampling))
+        return await self.engine.generate(prompt_ids, sampling, session_id)
+
+    def num_running(self) -> int:
+        return self.engine.num_running()
+
+
+def tasks(n: int, seed: int) -> list[dict]:
+    return [{"prompt": e["prompt"], "answer": e["answer"], "seed": i}
+            for i, e in enumerate(make_arithmetic_examples(n, seed=seed, max_operand=99))]
+
+
+def run_lockstep(engine, tok, task_list, sampling, latency, args) -> dict:
+    rollout = MultiTurnRollout(engine, tok, lambda: make_env("arithmetic_retry", tok, step_latency_s=latency),
+                               args.max_turns, args.max_total_tokens, sampling)
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(task_list), args.concurrency):
+        batch = task_list[i:i + args.concurrency]
+        out = rollout.run(batch, seeds=[t["seed"] for t in batch])
+        tokens += int(out.batch["response_mask"].sum())
+    return {"seconds": time.perf_counter() - start, "tokens": tokens}
+
+
+async def bounded(coros, limit: int) -> list:
+    """Run the coroutines ``limit`` at a time (a new one starts as soon as one ends), in order."""
+    gate = asyncio.Semaphore(limit)
+
+    async def one(coro):
+        async with gate:
+            return await coro
+
+    return await asyncio.gather(*[one(c) for c in coros])
+
+
+async def run_async(engine, spec, task_list, concurrency: int) -> tuple[dict, Recorder]:
+    recorder = Recorder(engine)
+    runner = EpisodeRunner(spec, [recorder])
+    start = time.perf_counter()
+    trajs = await bounded([runner.play(t, i) for i, t in enumerate(task_list)], concurrency)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "tokens": sum(sum(t.policy_mask) for t in trajs),
+            "env_s_max": max(t.metrics["episode/env_s"] for t in trajs),
+            "gen_s_max": max(t.metrics["episode/gen_s"] for t in trajs)}, recorder
+
+
+async def run_bare(engine, requests, concurrency: int) -> dict:
+    start = time.perf_counter()
+    outs = await bounded([engine.generate(ids, s) for ids, s in requests], concurrency)
+    return {"seconds": time.perf_counter() - start, "tokens": sum(len(o.token_ids) for o in outs)}
+
+
+async def measure_turn_latency(engine, task_list, tok, sampling) -> float:
+    """Mean time one request waits in a batched turn: the 'one turn's generation time' env steps mimic."""
+    prompts = [tok.encode(t["prompt"], add_special_tokens=False) for t in task_list]
+    start = time.perf_counter()
+    await asyncio.gather(*[engine.generate(p, sampling) for p in prompts])
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--episodes", type=int, default=1024)
+    p.add_argument("--concurrency", type=int, default=256, help="episodes in flight at a time")
+    p.add_argument("--latency", default="auto", help="mean env step latency in seconds, or 'auto'")
+    p.add_argument("--backend", default="hf", choices=("hf", "vllm"))
+    p.add_argument("--max-turns", type=int, default=3)
+    p.add_argument("--max-total-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="a few episodes: proves the benchmark runs")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    if args.quick:
+        args.episodes, args.concurrency = 16, 8
+    torch._C.set_num_threads(args.threads)
+    model_dir = build_tiny_model(tempfile.mkdtemp())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model_cfg = ModelConfig(path=model_dir)
+    rollout_cfg = RolloutConfig(backend=args.backend, dtype="float32", max_new_tokens=args.new_tokens)
+    sampling = SamplingSettings.resolve(rollout_cfg, {"n": 1})
+    task_list = tasks(args.episodes, seed=0)
+    spec = EpisodeSpec("arithmetic_retry", model_dir, sampling, {}, args.max_turns, args.max_total_tokens)
+
+    async def async_part(latency: float | None) -> dict:
+        engine = build_async_engine(model_cfg, rollout_cfg)
+        await measure_turn_latency(engine, task_list[:8], tok, sampling)  # warm-up
+        turn_s = await measure_turn_latency(engine, task_list[:args.concurrency], tok, sampling)
+        latency = turn_s if latency is None else latency
+        async_spec = EpisodeSpec(spec.env, spec.tokenizer_path, spec.sampling,
+                                 {"step_latency_s": latency, "latency_sigma": 1.0}, spec.max_turns,
+                                 spec.max_total_tokens, step_timeout_s=600.0)
+        b, recorder = await run_async(engine, async_spec, task_list, args.concurrency)
+        c = await run_bare(engine, recorder.requests, args.concurrency)
+        await engine.close()
+        return {"latency_s": latency, "turn_s": turn_s, "async": b, "bare": c}
+
+    res = asyncio.run(async_part(None if args.latency == "auto" else float(args.latency)))
+    sync_engine = build_engine(model_cfg, rollout_cfg)
+    a = run_lockstep(sync_engine, tok, task_list, sampling, res["latency_s"], args)
+    res["lockstep"] = a
+    for key in ("lockstep", "async", "bare"):
+        r = res[key]
+        r["episodes_per_s"] = args.episodes / r["seconds"] if key != "bare" else float("nan")
+        r["tokens_per_s"] = r["tokens"] / r["seconds"]
+    res["async_over_lockstep"] = res["async"]["tokens_per_s"] / res["lockstep"]["tokens_per_s"]
+    res["async_over_bare"] = res["async"]["tokens_per_s"] / res["bare"]["tokens_per_s"]
+    res.update(episodes=args.episodes, concurrency=args.concurrency, backend=args.backend, threads=args.threads)
+    print(f"{args.episodes} episodes of arithmetic_retry, {args.concurrency} in flight, env step latency lognormal mean {res['latency_s'] * 1e3:.0f} ms "
+          f"(sigma 1), engine {args.backend}, {args.threads} threads")
+    for key in ("lockstep", "async", "bare"):
+        r = res[key]
+        print(f"  {key:9s} {r['seconds']:7.2f} s  {r['episodes_per_s']:7.1f} episodes/s  "
+              f"{r['tokens_per_s']:8.0f} tokens/s  ({r['tokens']} tokens)")
+    print(f"  async / lockstep = {res['async_over_lockstep']:.2f}   async / bare engine = {res['async_over_bare']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

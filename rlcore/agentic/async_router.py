@@ -1,0 +1,72 @@
+"""Session-sticky routing of asynchronous requests over several engines, with failover.
+
+Every turn of an episode is a request of one session; all of a session's turns go to the engine
+that took its first (its prefix cache holds the conversation so far). A new session goes to the
+engine with the fewest live sessions (ties: the fewest requests running). When an engine dies
+(``EngineDiedError``), it is taken out of the rotation, its sessions are re-homed on the next
+``generate``, and the turn in flight is retried there from the same context ids: a retried turn is
+token-exact, it only loses the dead engine's cache. The run goes on with the engines left; when
+none is left, the error says so.
+
+Engines here are ``AsyncEngine``s: in this process, or ``RemoteEngine``s over engine servers in
+Ray actors of their own. (These engines are not HTTP servers, so vllm-router, which fronts HTTP
+engines, has nothing to front here; Ray carries the calls.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from rlcore.engines.async_base import AsyncEngine, Completion
+from rlcore.engines.base import SamplingSettings
+from rlcore.engines.server import EngineDiedError
+
+
+class AsyncSessionRouter:
+    def __init__(self, engines: Sequence[AsyncEngine], max_retries: int = 2) -> None:
+        if not engines:
+            raise ValueError("AsyncSessionRouter needs at least one engine")
+        self.engines = list(engines)
+        self.alive = [True] * len(self.engines)
+        self.max_retries = max_retries
+        self.sessions: dict[Hashable, int] = {}  # session -> engine index
+        self.retries = 0  # turns retried on another engine after theirs died
+
+    @property
+    def pad_token_id(self) -> int:
+        return self.engines[0].pad_token_id
+
+    def _load(self, index: int) -> tuple[int, int]:
+        live_sessions = sum(1 for e in self.sessions.values() if e == index)
+        return live_sessions, self.engines[index].num_running()
+
+    def engine_for(self, session_id: Hashable) -> int:
+        """The session's engine; a new (or re-homed) session goes to the least-loaded live engine."""
+        index = self.sessions.get(session_id)
+        if index is None or not self.alive[index]:
+            live = [i for i, ok in enumerate(self.alive) if ok]
+            if not live:
+                raise EngineDiedError(f"all {len(self.engines)} engines died; nothing left to route to")
+            index = min(live, key=self._load)
+            self.sessions[session_id] = index
+        return index
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                       session_id: Hashable | None = None) -> Completion:
+        for attempt in range(self.max_retries + 1):
+            index = self.engine_for(session_id)
+            try:
+                completion = await self.engines[index].generate(prompt_ids, sampling, session_id)
+            except EngineDiedError:
+                self.alive[index] = False
+                if attempt == self.max_retries or not any(self.alive):
+                    raise
+                self.retries += 1
+                continue
+            completion.engine_id = index
+            return completion
+        raise AssertionError("unreachable")
+
+    def release(self, session_id: Hashable) -> None:
+        """The session is over: it no longer counts towards its engine's load."""
+        self.sessions.pop(session_id, None)

@@ -1,0 +1,72 @@
+"""Chat-template rendering for token-first episodes: the first prompt, then only each new turn's delta.
+
+Why deltas: an episode's context is the exact ids the policy saw and sampled. Re-rendering the
+whole conversation through the template each turn need not reproduce them: templates re-render
+history (Qwen3 drops earlier ``<think>`` blocks), and decoding the model's tokens to text and
+encoding them again need not give the same ids. So the history is never rendered again: after a
+model turn, ``ChatDelta.after_model_turn`` renders just what the template puts between that turn
+and the next generation (the end-of-turn text the model did not generate itself, the new user or
+tool messages, the assistant cue), and the episode appends those ids to the ones it has.
+
+How: the template is rendered once around a probe conversation (a user message, an assistant
+reply), and the text that closes an assistant turn is read off it (``"\\n"`` for the tiny models'
+template, ``"<|im_end|>\\n"`` for ChatML). A delta is the rendering of probe + new messages with
+the probe's rendering cut off the front, prefixed by whatever part of the end-of-turn text the
+model's own tokens lacked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+PROBE_USER = "\u2063probe\u2063"
+PROBE_REPLY = "\u2063reply\u2063"
+
+
+class ChatDelta:
+    def __init__(self, tokenizer: Any) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(f"{type(tokenizer).__name__} has no chat template: ChatDelta renders through it")
+        self.tokenizer = tokenizer
+        probe = [{"role": "user", "content": PROBE_USER}]
+        cue = self.render(probe, add_generation_prompt=True)
+        with_reply = self.render(probe + [{"role": "assistant", "content": PROBE_REPLY}])
+        if not with_reply.startswith(cue + PROBE_REPLY):
+            raise ValueError("the chat template renders an assistant reply differently from the generation cue "
+                             f"it gives: {cue!r} + reply vs {with_reply!r}; delta rendering needs the cue as a prefix")
+        self._probe = probe + [{"role": "assistant", "content": PROBE_REPLY}]
+        self._probe_text = with_reply
+        self.end_of_turn = with_reply[len(cue) + len(PROBE_REPLY):]  # what closes an assistant turn
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False, **kwargs) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt(self, messages: Sequence[Mapping[str, Any]], **kwargs) -> list[int]:
+        """The first context: ``messages`` rendered whole, with the assistant cue."""
+        return self.encode(self.render(messages, add_generation_prompt=True, **kwargs))
+
+    def after_model_turn(self, model_token_ids: Sequence[int], new_messages: Sequence[Mapping[str, Any]],
+                         add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        """The ids to append after the model's turn: the rest of its end-of-turn text, then
+        ``new_messages`` (user / tool) and, unless told otherwise, the next assistant cue."""
+        full = self.render(self._probe + list(new_messages), add_generation_prompt=add_generation_prompt, **kwargs)
+        if not full.startswith(self._probe_text):
+            raise ValueError("the chat template re-renders the probe conversation when messages follow it; "
+                             "delta rendering needs earlier turns to render the same")
+        return self.encode(self._missing_end_of_turn(model_token_ids) + full[len(self._probe_text):])
+
+    def _missing_end_of_turn(self, model_token_ids: Sequence[int]) -> str:
+        """The part of ``end_of_turn`` the model's own text does not already end with."""
+        text = self.tokenizer.decode(list(model_token_ids), skip_special_tokens=False)
+        eos = self.tokenizer.eos_token or ""
+        if eos and text.endswith(eos) and not self.end_of_turn.startswith(eos):
+            text = text[: -len(eos)]  # an eos the template does not write (the tiny models') closes nothing
+        for overlap in range(min(len(text), len(self.end_of_turn)), 0, -1):
+            if text.endswith(self.end_of_turn[:overlap]):
+                return self.end_of_turn[overlap:]
+        return self.end_of_turn

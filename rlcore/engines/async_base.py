@@ -1,0 +1,103 @@
+"""The asynchronous engine interface: one request at a time from the caller's side, continuously
+batched on the engine's side, every token stamped with the weights version that sampled it.
+
+Why a second interface beside ``Engine``: a synchronous ``generate`` over a batch is the right
+shape for a turn-lockstep rollout, but an agent's episodes are independent coroutines, each
+waiting on its own env between turns. They must be able to ask for one continuation whenever
+they are ready, and the engine must batch whatever requests are pending at that moment
+(continuous batching), never waiting for a batch to fill or to drain.
+
+Contract:
+
+    completion = await engine.generate(prompt_ids, sampling, session_id)
+    completion.token_ids, completion.log_probs       # the sampled ids and their sampler log-probs
+    completion.finish_reason                         # "stop" | "length" | "abort"
+    completion.policy_versions                       # per token: the version that produced it
+
+    await engine.update_weights(buckets, version)    # new weights, streamed in buckets:
+    #   = begin_update(version, in_flight); load_bucket(b) for each bucket; finish_update()
+    engine.policy_version                            # the version now loaded
+
+``update_weights`` has two modes. By default it waits until the requests in flight finish (new
+ones wait), swaps the weights, and resumes: every response then comes from one version, though
+an episode's later turns may come from a newer one. With ``in_flight=True`` (partial rollouts) it
+pauses between engine steps, requests keeping their place, loads the new version, and resumes:
+one response may then span two versions, and ``policy_versions`` says which token came from
+which, so the loss can correct (or mask) each token by its own staleness.
+
+Implementations: ``AsyncHFEngine`` (a batching loop over transformers ``generate``) and
+``AsyncVLLMEngine`` (vLLM's ``AsyncLLM``); ``EngineServer`` serves either from a Ray actor of its
+own, and ``RemoteEngine`` is the same interface over such a server's handle.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from rlcore.engines.base import SamplingSettings
+from rlcore.engines.weights import WeightBucket
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    token_ids: list[int]
+    log_probs: list[float]  # the sampler's log-prob of each token (under the distribution it sampled from)
+    finish_reason: str  # "stop": eos / a stop token or string; "length": max_new_tokens; "abort": cancelled
+    policy_versions: list[int]  # per token: the weights version that sampled it
+    engine_id: int | str | None = None  # which engine served it (set by routers and servers)
+    metrics: dict[str, float] = field(default_factory=dict)  # e.g. queue time of the request
+
+    def __post_init__(self) -> None:
+        if not len(self.token_ids) == len(self.log_probs) == len(self.policy_versions):
+            raise ValueError(f"a completion needs one log-prob and one version per token: {len(self.token_ids)} "
+                             f"tokens, {len(self.log_probs)} log-probs, {len(self.policy_versions)} versions")
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+
+
+class AsyncEngine(ABC):
+    """One copy of the policy weights serving concurrent requests (see the module docstring)."""
+
+    pad_token_id: int
+    eos_token_id: int
+    policy_version: int = 0
+
+    @abstractmethod
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                       session_id: Hashable | None = None) -> Completion:
+        """One continuation of ``prompt_ids`` (``sampling.n`` must be 1; for n samples, n requests)."""
+
+    @abstractmethod
+    async def begin_update(self, version: int, in_flight: bool = False) -> None:
+        """Stop generating for a weight swap: after the requests in flight finish (default), or
+        between engine steps with the requests kept in place (``in_flight``)."""
+
+    @abstractmethod
+    async def load_bucket(self, bucket: WeightBucket) -> None:
+        """Load the tensors of one bucket (HF parameter names) into the engine's weights."""
+
+    @abstractmethod
+    async def finish_update(self) -> dict[str, float]:
+        """Make the loaded weights ``version`` and resume generating; returns timing metrics."""
+
+    async def update_weights(self, buckets: Iterable[WeightBucket], version: int,
+                             in_flight: bool = False) -> dict[str, float]:
+        """The whole swap in one call: ``begin_update``, every bucket, ``finish_update``. A bucket that
+        fails to load leaves the engine paused (its weights are a mix): the error propagates."""
+        await self.begin_update(version, in_flight)
+        for bucket in buckets:
+            await self.load_bucket(bucket)
+        return await self.finish_update()
+
+    @abstractmethod
+    def num_running(self) -> int:
+        """Requests admitted and not finished: the engine's load, for routing."""
+
+    async def close(self) -> None:
+        """Release the engine (its processes, its memory)."""

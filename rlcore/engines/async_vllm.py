@@ -1,0 +1,161 @@
+"""``AsyncVLLMEngine``: vLLM's ``AsyncLLM`` behind the asynchronous interface (continuous batching).
+
+Every ``generate`` is one vLLM request (token ids in, token ids and processed log-probs out);
+concurrent requests are batched by vLLM's scheduler step by step, so a request that arrives
+while others decode joins the next step. vLLM runs its engine core in a subprocess of its own.
+
+Per-token versions come from vLLM itself: its engine core stamps every step's output with its
+current weight version, and the final output lists them as spans over the output tokens. A
+weight update sets that version (``update_weight_version``) while generation is paused, so the
+spans are exact, whether the swap happened between requests or in the middle of one.
+
+Weight updates: ``begin_update`` pauses the scheduler, with ``mode="wait"`` (requests in flight
+finish first; new ones wait) or, ``in_flight``, ``mode="keep"`` (requests stay where they are and
+their KV cache is recomputed with the new weights after the swap, ``clear_cache=True``).
+``load_bucket`` writes the bucket into a shared-memory file and asks vLLM's worker (through
+``collective_rpc`` on ``rlcore.engines.vllm_worker.BucketLoader``) to map it and reload those
+weights in place; a bucket is whole layers (``rlcore.engines.weights``), which vLLM's layerwise
+reload needs. ``finish_update`` sets the version, resets the prefix cache, and resumes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from rlcore.engines.async_base import AsyncEngine, Completion
+from rlcore.engines.base import RolloutConfig, SamplingSettings
+from rlcore.engines.weights import WeightBucket
+from rlcore.models.config import ModelConfig, torch_dtype
+
+DEFAULT_DTYPE = "bfloat16"
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class AsyncVLLMEngine(AsyncEngine):
+    def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0,
+                 engine_id: int | str | None = None) -> None:
+        from vllm import AsyncEngineArgs  # optional dependency: imported when a vLLM engine is built
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        extra = {}
+        if rollout_cfg.kv_cache_memory_bytes is not None:
+            extra["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
+        args = AsyncEngineArgs(
+            model=model_cfg.require_path(), dtype=torch_dtype(rollout_cfg.dtype or DEFAULT_DTYPE, "rollout.dtype"),
+            enforce_eager=rollout_cfg.enforce_eager, max_model_len=rollout_cfg.max_model_len,
+            gpu_memory_utilization=rollout_cfg.gpu_memory_utilization, seed=rollout_cfg.seed + rank,
+            logprobs_mode="processed_logprobs", worker_extension_cls="rlcore.engines.vllm_worker.BucketLoader",
+            **extra)
+        self.llm = AsyncLLM.from_engine_args(args)
+        tokenizer = self.llm.get_tokenizer()
+        self.eos_token_id = tokenizer.eos_token_id
+        self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
+        self.engine_id, self.policy_version = engine_id, 0
+        self._ids = itertools.count()
+        self._running = 0
+        self._version_set = False
+        self._update: dict | None = None
+
+    async def _ensure_version(self) -> None:
+        if not self._version_set:  # vLLM starts at "default"; ours are integers
+            await self.llm.update_weight_version(str(self.policy_version))
+            self._version_set = True
+
+    def _sampling_params(self, s: SamplingSettings):
+        from vllm import SamplingParams  # optional dependency (see __init__)
+        from vllm.sampling_params import RequestOutputKind
+
+        sample = dict(temperature=0.0) if s.greedy else dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+        return SamplingParams(n=1, **sample, max_tokens=s.max_new_tokens, stop=list(s.stop) or None,
+                              stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos, logprobs=0,
+                              detokenize=bool(s.stop), output_kind=RequestOutputKind.FINAL_ONLY)
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                       session_id: Hashable | None = None) -> Completion:
+        from vllm.inputs import TokensPrompt  # optional dependency (see __init__)
+
+        if sampling.n != 1:
+            raise ValueError(f"one request samples one continuation (n=1), got n={sampling.n}")
+        await self._ensure_version()
+        request_id = f"{self.engine_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        start = time.perf_counter()
+        final = None
+        self._running += 1
+        try:
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                               self._sampling_params(sampling), request_id):
+                final = out
+        finally:
+            self._running -= 1
+        if final is None:
+            raise RuntimeError(f"vLLM returned no output for request {request_id}")
+        c = final.outputs[0]
+        tokens = list(c.token_ids)
+        log_probs = [step[t].logprob for step, t in zip(c.logprobs or [], tokens)]
+        versions = _versions(c.weight_versions, len(tokens), self.policy_version)
+        reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(c.finish_reason), "stop")
+        return Completion(tokens, log_probs, reason, versions, engine_id=self.engine_id,
+                          metrics={"engine/request_s": time.perf_counter() - start})
+
+    def num_running(self) -> int:
+        return self._running
+
+    # ------------------------------------------------------------------ weights
+    async def begin_update(self, version: int, in_flight: bool = False) -> None:
+        if self._update is not None:
+            raise RuntimeError("begin_update while another weight update is in progress")
+        await self._ensure_version()
+        self._update = {"version": version, "start": time.perf_counter(), "load_s": 0.0, "bytes": 0, "peak": 0}
+        await self.llm.pause_generation(mode="keep" if in_flight else "wait", clear_cache=in_flight)
+
+    async def load_bucket(self, bucket: WeightBucket) -> None:
+        if self._update is None:
+            raise RuntimeError("load_bucket outside begin_update / finish_update")
+        start = time.perf_counter()
+        path = os.path.join(SHM_DIR, f"rlcore-bucket-{uuid.uuid4().hex}")
+        try:
+            shared = torch.from_file(path, shared=True, size=bucket.nbytes, dtype=torch.uint8)
+            shared.copy_(bucket.buffer)
+            entries = [(n, str(d).removeprefix("torch."), list(s), o) for n, d, s, o in bucket.entries]
+            await self.llm.collective_rpc("load_bucket_file", args=(path, bucket.nbytes, entries))
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+        u = self._update
+        u["load_s"] += time.perf_counter() - start
+        u["bytes"] += bucket.nbytes
+        u["peak"] = max(u["peak"], bucket.nbytes)
+
+    async def finish_update(self) -> dict[str, float]:
+        if self._update is None:
+            raise RuntimeError("finish_update without begin_update")
+        u, self._update = self._update, None
+        await self.llm.reset_prefix_cache()  # no KV computed with the old weights is reused
+        await self.llm.update_weight_version(str(u["version"]))
+        self.policy_version = u["version"]
+        await self.llm.resume_generation()
+        return {"engine/weight_update_s": time.perf_counter() - u["start"], "engine/weight_load_s": u["load_s"],
+                "engine/weight_bytes": float(u["bytes"]), "engine/peak_bucket_bytes": float(u["peak"]),
+                "engine/policy_version": float(self.policy_version)}
+
+    async def close(self) -> None:
+        self.llm.shutdown()
+
+
+def _versions(spans, n: int, fallback: int) -> list[int]:
+    """Per-token versions from vLLM's ``WeightVersionSpan``s (version, start, end) over the output tokens."""
+    if not spans:
+        return [fallback] * n
+    out = [fallback] * n
+    for span in spans:
+        version = int(span.version) if str(span.version).lstrip("-").isdigit() else fallback
+        for i in range(max(0, span.start), min(n, span.end)):
+            out[i] = version
+    return out
