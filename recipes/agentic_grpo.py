@@ -34,7 +34,7 @@ from rlcore.agentic import EpisodeSpec, RolloutPool, start_runners, to_dataproto
 from rlcore.agentic.episode import mask_stale_tokens
 from rlcore.agentic.runner import generate_prompts
 from rlcore.engines import RolloutConfig, SamplingSettings
-from rlcore.engines.server import start_engine_servers
+from rlcore.engines.server import engine_idle_metrics, start_engine_servers
 from rlcore.models import ModelConfig
 from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import compute_advantage, compute_rewards
@@ -86,6 +86,7 @@ def train(cfg: DictConfig) -> TrainingRun:
         pool = RolloutPool(runners, episode_tasks(run), cfg.rollout.n, a.groups_in_flight or groups,
                            max_staleness=a.max_staleness, max_ready=a.max_ready or groups).start()
         run.on_close(pool.stop)
+        _, engine_state = engine_idle_metrics(engines)
         for step in run.steps():
             with run.timer("wait_rollout"):
                 played = pool.get_groups(groups, current_version=step - 1, timeout_s=a.pop_timeout_s)
@@ -105,7 +106,8 @@ def train(cfg: DictConfig) -> TrainingRun:
                 metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))
             with run.timer("sync_weights"):
                 metrics.update(workers.actor.push_weights(engines, step, bucket_bytes, a.partial_rollout))
-            run.end_step(step, {**metrics, **pool.metrics(), **batch_metrics(batch)}, batch)
+            idle, engine_state = engine_idle_metrics(engines, engine_state)
+            run.end_step(step, {**metrics, **idle, **pool.metrics(), **batch_metrics(batch)}, batch)
     return run
 
 

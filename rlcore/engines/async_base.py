@@ -32,6 +32,7 @@ own, and ``RemoteEngine`` is the same interface over such a server's handle.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -67,6 +68,25 @@ class AsyncEngine(ABC):
     pad_token_id: int
     eos_token_id: int
     policy_version: int = 0
+    _active = 0  # requests in flight, for busy_s
+    _busy_since = 0.0
+    _busy_total = 0.0
+
+    def _request_started(self) -> None:
+        if self._active == 0:
+            self._busy_since = time.perf_counter()
+        self._active += 1
+
+    def _request_finished(self) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._busy_total += time.perf_counter() - self._busy_since
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds during which at least one request was in flight: wall time minus this is idle time."""
+        now = time.perf_counter() - self._busy_since if self._active else 0.0
+        return self._busy_total + now
 
     @abstractmethod
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,

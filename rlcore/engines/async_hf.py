@@ -51,7 +51,6 @@ class AsyncHFEngine(AsyncEngine):
         self._resume = asyncio.Event()
         self._running = 0
         self._update_started = 0.0
-        self.busy_s = 0.0  # time spent generating, for utilisation metrics
 
     # ------------------------------------------------------------------ requests
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
@@ -63,11 +62,13 @@ class AsyncHFEngine(AsyncEngine):
         self._ensure_loop()
         future = asyncio.get_running_loop().create_future()
         self._running += 1
+        self._request_started()
         try:
             await self._queue.put(_Request(list(prompt_ids), sampling, future, time.perf_counter()))
             return await future
         finally:
             self._running -= 1
+            self._request_finished()
 
     def num_running(self) -> int:
         return self._running
@@ -120,7 +121,6 @@ class AsyncHFEngine(AsyncEngine):
                 if not r.future.done():
                     r.future.set_exception(exc)
             return
-        self.busy_s += time.perf_counter() - start
         for row, r in enumerate(live):
             n = min(int(gen.lengths[row]), r.sampling.max_new_tokens)
             stopped = int(gen.lengths[row]) <= r.sampling.max_new_tokens and self._ends_with_stop(gen, row, n, r)
@@ -138,7 +138,14 @@ class AsyncHFEngine(AsyncEngine):
         if n < request.sampling.max_new_tokens:
             return True
         last = int(gen.responses[row, n - 1])
-        return last in self.engine.stop_token_ids(request.sampling)
+        if last in self.engine.stop_token_ids(request.sampling):
+            return True
+        # A stop string completed by the last budgeted token (one completed earlier would have ended
+        # the row sooner, n < max_new_tokens): it stopped, as vLLM reports it. Same text HF checks.
+        if request.sampling.stop:
+            text = self.engine.tokenizer.decode(gen.responses[row, :n], skip_special_tokens=True)
+            return any(s in text for s in request.sampling.stop)
+        return False
 
     # ------------------------------------------------------------------ weights
     async def begin_update(self, version: int, in_flight: bool = False) -> None:

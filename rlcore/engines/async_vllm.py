@@ -88,12 +88,14 @@ class AsyncVLLMEngine(AsyncEngine):
         start = time.perf_counter()
         final = None
         self._running += 1
+        self._request_started()
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
                                                self._sampling_params(sampling), request_id):
                 final = out
         finally:
             self._running -= 1
+            self._request_finished()
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         c = final.outputs[0]

@@ -62,6 +62,7 @@ class EngineServer:
             torch._C.set_num_threads(torch_threads)  # the builtin: vLLM replaces torch.set_num_threads
         self.engine_id = rank if engine_id is None else engine_id
         self.engine = build_async_engine(model_cfg, rollout_cfg, device=device, rank=rank, engine_id=self.engine_id)
+        self.started = time.perf_counter()
 
     def info(self) -> dict[str, Any]:
         return {"engine_id": self.engine_id, "pad_token_id": self.engine.pad_token_id,
@@ -82,7 +83,7 @@ class EngineServer:
 
     async def stats(self) -> dict[str, float]:
         return {"num_running": float(self.engine.num_running()), "policy_version": float(self.engine.policy_version),
-                "busy_s": float(getattr(self.engine, "busy_s", 0.0))}
+                "busy_s": float(self.engine.busy_s), "wall_s": time.perf_counter() - self.started}
 
     async def close(self) -> None:
         await self.engine.close()
@@ -126,6 +127,20 @@ def push_buckets(engines: Sequence["RemoteEngine"], buckets: Iterable[WeightBuck
     return {"sync/push_s": time.perf_counter() - start, "sync/bytes": float(nbytes), "sync/buckets": float(count),
             "sync/peak_bucket_bytes": float(peak),
             "sync/engine_load_s_max": max(r.get("engine/weight_update_s", 0.0) for r in results)}
+
+
+def engine_idle_metrics(engines: Sequence["RemoteEngine"], previous: dict | None = None) -> tuple[dict[str, float], dict]:
+    """``engine/idle_frac``: the share of wall time since ``previous`` (the state this returned last
+    time) in which the engines had no request at all, averaged over the engines."""
+    _require_ray()
+    stats = ray.get([e.handle.stats.remote() for e in engines], timeout=60)
+    state = {i: (s["busy_s"], s["wall_s"]) for i, s in enumerate(stats)}
+    fracs = []
+    for i, (busy, wall) in state.items():
+        busy0, wall0 = (previous or {}).get(i, (0.0, 0.0))
+        if wall > wall0:
+            fracs.append(1.0 - (busy - busy0) / (wall - wall0))
+    return ({"engine/idle_frac": sum(fracs) / len(fracs)} if fracs else {}), state
 
 
 def _require_ray() -> None:
