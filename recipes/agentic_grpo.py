@@ -32,9 +32,9 @@ from transformers import AutoTokenizer
 
 from rlcore.agentic import EpisodeSpec, RolloutPool, start_runners, to_dataproto
 from rlcore.agentic.episode import mask_stale_tokens
-from rlcore.agentic.runner import generate_prompts
+from rlcore.agentic.runner import generate_prompts, stop_runners
 from rlcore.engines import RolloutConfig, SamplingSettings
-from rlcore.engines.server import engine_idle_metrics, start_engine_servers
+from rlcore.engines.server import engine_idle_metrics, start_engine_servers, stop_engine_servers
 from rlcore.models import ModelConfig
 from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import compute_advantage, compute_rewards
@@ -80,8 +80,8 @@ def train(cfg: DictConfig) -> TrainingRun:
         return validate(lambda prompts: generate_prompts(engines, prompts, rollout_cfg), val_batches, reward_fn)
 
     with TrainingRun(cfg, workers, loader, validate_on_engines) as run:
-        for engine in engines:
-            run.on_close(engine.handle.__ray_terminate__.remote)
+        run.on_close(lambda: stop_engine_servers(engines))
+        run.on_close(lambda: stop_runners(runners))
         workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
         pool = RolloutPool(runners, episode_tasks(run), cfg.rollout.n, a.groups_in_flight or groups,
                            max_staleness=a.max_staleness, max_ready=a.max_ready or groups).start()

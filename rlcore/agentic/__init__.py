@@ -23,11 +23,11 @@ from rlcore.agentic.multi_turn import EnvEpisodes, MultiTurnRollout
 from rlcore.agentic.pool import RolloutError, RolloutPool
 from rlcore.agentic.replay_buffer import AsyncRolloutLoop, ReplayBuffer, importance_weights
 from rlcore.agentic.router import SessionRouter, TurnOutput
-from rlcore.agentic.runner import EpisodeRunner, EpisodeSpec, start_runners
+from rlcore.agentic.runner import EpisodeRunner, EpisodeSpec, generate_prompts, start_runners, stop_runners
 
 __all__ = [
     "ArithmeticRetryEnv", "AsyncRolloutLoop", "AsyncSessionRouter", "ChatDelta", "Env", "EnvEpisodes", "EnvError",
     "EpisodeRunner", "EpisodeSpec", "GuessNumberEnv", "LatencyEnv", "MultiTurnRollout", "ReplayBuffer", "Result",
     "RolloutError", "RolloutPool", "SessionRouter", "Trajectory", "TurnOutput", "importance_weights", "make_env",
-    "play_episode", "register_env", "start_runners", "to_dataproto",
+    "generate_prompts", "play_episode", "register_env", "start_runners", "stop_runners", "to_dataproto",
 ]

@@ -10,8 +10,10 @@ groups finish, so the engines never drain between steps.
 Two bounds keep that honest:
 - staleness: a group whose oldest model token is more than ``max_staleness`` policy versions
   older than the trainer's is dropped (counted in ``pool/dropped_stale``), never trained on;
-- backpressure: at most ``max_ready`` finished groups wait for the trainer; beyond that the pool
-  submits no new groups (the engines would only produce samples that go stale).
+- backpressure: groups being played plus finished ones waiting for the trainer stay within
+  ``groups_in_flight + max_ready``; beyond that the pool submits no new groups (the engines would
+  only produce samples that go stale). With both a batch of groups, production matches what the
+  trainer takes, and the groups it gets were sampled by the weights of the step before.
 
 Failures: a runner actor that dies has its groups resubmitted to the others (``pool/resubmitted``)
 and the pool goes on without it; an episode error (an env that raised or hung past its timeout)
@@ -155,7 +157,8 @@ class RolloutPool:
 
     def _top_up(self) -> None:
         with self._cond:
-            while (len(self._in_flight) < self.groups_in_flight and len(self._ready) < self.max_ready
+            while (len(self._in_flight) < self.groups_in_flight
+                   and len(self._in_flight) + len(self._ready) < self.groups_in_flight + self.max_ready
                    and not self._stop.is_set()):
                 task = next(self.tasks)
                 self._submit(_Group(next(self._ids), task, -1, None))

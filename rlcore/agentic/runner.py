@@ -105,6 +105,11 @@ def generate_prompts(engines: Sequence[AsyncEngine], prompts: DataProto, rollout
     return out
 
 
+def stop_runners(runners: Sequence[Any]) -> None:
+    for runner in runners:
+        ray.kill(runner)
+
+
 def start_runners(count: int, spec: EpisodeSpec, engines: Sequence[AsyncEngine], num_cpus: float = 0.5,
                   max_concurrency: int = 4096) -> list[Any]:
     """``count`` runner actors spread over the nodes (``SPREAD``), each routing over all ``engines``."""

@@ -104,6 +104,17 @@ def start_engine_servers(count: int, model_cfg: ModelConfig, rollout_cfg: Rollou
     return [RemoteEngine(h, timeout_s=ready_timeout_s) for h in handles]
 
 
+def stop_engine_servers(engines: Sequence["RemoteEngine"], timeout_s: float = 60.0) -> None:
+    """Close every engine (vLLM's engine-core subprocess included), then end its actor."""
+    _require_ray()
+    try:
+        ray.get([e.handle.close.remote() for e in engines], timeout=timeout_s)
+    except (RayActorError, GetTimeoutError):
+        pass  # a dead or hung engine is ended below all the same
+    for engine in engines:
+        ray.kill(engine.handle)
+
+
 def push_buckets(engines: Sequence["RemoteEngine"], buckets: Iterable[WeightBucket], version: int,
                  in_flight: bool = False, timeout_s: float = 600.0) -> dict[str, float]:
     """One weight update of every engine server, bucket by bucket (synchronous; Ray calls). A bucket

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 import warnings
-
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 

@@ -1,0 +1,413 @@
+"""Asynchronous engines against the synchronous HF engine: concurrent requests batched, per-request
+budgets and finish reasons, version stamps, bucketed weight updates; vLLM's AsyncLLM (one fp32
+engine) with an update in the middle of a request (partial rollout)."""
+
+import asyncio
+import dataclasses
+import gc
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlcore.engines.async_base import Completion
+from rlcore.engines.async_hf import AsyncHFEngine
+from rlcore.engines.base import RolloutConfig, SamplingSettings
+from rlcore.engines.hf_engine import HFEngine
+from rlcore.engines.weights import pack_buckets
+from rlcore.models.config import ModelConfig
+from rlcore.models.tiny import build_tiny_model
+
+GREEDY = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, n=1, do_sample=False)
+PROMPTS = ["1+1=", "2+2=", "12+3=", "7*8=", "100-99=", "a", "hello", "5-3="]
+LOGPROB_TOL = 1e-5
+BUCKET = 1 << 16  # several buckets for the tiny model (~1.2 MB in fp32)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_async"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def new_state(tmp_path_factory):
+    """Other weights of the same architecture (another seed): greedy output really changes."""
+    path = build_tiny_model(tmp_path_factory.mktemp("tiny_async_new"), seed=1)
+    return AutoModelForCausalLM.from_pretrained(path).state_dict()
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    return HFEngine(ModelConfig(path=model_dir), RolloutConfig())
+
+
+@pytest.fixture(scope="module")
+def hf_new(model_dir, new_state):
+    engine = HFEngine(ModelConfig(path=model_dir), RolloutConfig())
+    engine.load_weights(new_state)
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """One async engine for the module: every test drives it from an event loop of its own."""
+    return AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig(), engine_id="hf0")
+
+
+def ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def reference(engine: HFEngine, prompt: list[int], sampling: SamplingSettings) -> tuple[list[int], torch.Tensor]:
+    """The synchronous engine on this one prompt alone (no padding): tokens and log-probs."""
+    out = engine.generate(torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long),
+                          torch.arange(len(prompt))[None], sampling)
+    n = int(out.lengths[0])
+    return out.responses[0, :n].tolist(), out.log_probs[0, :n]
+
+
+class CountCalls:
+    """Counts the batched generate calls an AsyncHFEngine makes (and the rows of each)."""
+
+    def __init__(self, async_engine):
+        self.inner, self.rows = async_engine.engine, []
+        self.generate = self.inner.generate
+
+    def __call__(self, input_ids, *args):
+        self.rows.append(len(input_ids))
+        return self.generate(input_ids, *args)
+
+    def __enter__(self):
+        self.inner.generate = self
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.generate = self.generate
+
+
+def assert_matches(completion: Completion, tokens: list[int], log_probs: torch.Tensor) -> None:
+    assert completion.token_ids == tokens
+    torch.testing.assert_close(torch.tensor(completion.log_probs), log_probs, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_concurrent_greedy_equals_sync_hf_per_prompt(engine, hf, tok):
+    prompts = [ids(tok, t) for t in PROMPTS]
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, GREEDY, session_id=i) for i, p in enumerate(prompts)])
+
+    with CountCalls(engine) as calls:
+        outs = asyncio.run(run())
+    assert calls.rows == [len(PROMPTS)]  # one batched, left-padded call for all of them
+    reasons = []
+    for prompt, out in zip(prompts, outs):
+        tokens, log_probs = reference(hf, prompt, GREEDY)
+        assert_matches(out, tokens, log_probs)
+        assert out.policy_versions == [0] * len(tokens)
+        assert out.engine_id == "hf0" and out.metrics["engine/queue_s"] >= 0
+        expected = "stop" if tokens[-1] == tok.eos_token_id else "length"
+        assert len(tokens) == GREEDY.max_new_tokens or expected == "stop"
+        assert out.finish_reason == expected
+        reasons.append(expected)
+    assert set(reasons) == {"stop", "length"}  # the random model ends "1+1=" with eos, the others run on
+    assert engine.num_running() == 0
+    busy = engine.busy_s
+    assert busy > 0
+    time.sleep(0.05)
+    assert engine.busy_s == busy  # idle time is not busy time
+
+
+def test_per_request_budgets_and_finish_reasons_in_one_batch(engine, hf, tok):
+    """Requests that differ only in max_new_tokens share one call (run to the longest budget) and
+    each is cut to its own; a request with other stop ids is a group of its own."""
+    full = {t: reference(hf, ids(tok, t), GREEDY) for t in ("a", "hello", "1+1=", "2+2=")}
+    eos_at = full["1+1="][0].index(tok.eos_token_id) + 1
+    assert eos_at == 5 and len(full["hello"][0]) == 12  # what the tiny model (seed 0) does
+    stop_id = full["2+2="][0][2]
+    assert stop_id not in full["2+2="][0][:2]
+    requests = [("a", 2), ("hello", 6), ("1+1=", 6), ("1+1=", eos_at), ("1+1=", eos_at - 1)]
+
+    async def run():
+        plain = [engine.generate(ids(tok, t), dataclasses.replace(GREEDY, max_new_tokens=m)) for t, m in requests]
+        stop = engine.generate(ids(tok, "2+2="), dataclasses.replace(GREEDY, max_new_tokens=6,
+                                                                     stop_token_ids=(stop_id,)))
+        return await asyncio.gather(*plain, stop)
+
+    with CountCalls(engine) as calls:
+        *outs, stopped = asyncio.run(run())
+    assert sorted(calls.rows) == [1, len(requests)]  # two sampling groups, one call each
+    expected = [(2, "length"), (6, "length"), (eos_at, "stop"), (eos_at, "stop"), (eos_at - 1, "length")]
+    for (text, budget), out, (n, reason) in zip(requests, outs, expected):
+        tokens, log_probs = full[text]
+        assert len(out.token_ids) == n, (text, budget)
+        assert_matches(out, tokens[:n], log_probs[:n])
+        assert out.finish_reason == reason, (text, budget)
+        assert len(out.policy_versions) == n
+    tokens, log_probs = full["2+2="]
+    assert_matches(stopped, tokens[:3], log_probs[:3])
+    assert stopped.finish_reason == "stop"
+
+
+def test_a_stop_string_completed_by_the_last_budgeted_token_is_a_stop(engine, hf, tok):
+    """The string ends the response exactly at its budget: it stopped ("stop", as vLLM reports it),
+    it was not cut. A budget one short of the string is a cut ("length")."""
+    tokens, log_probs = reference(hf, ids(tok, "hello"), GREEDY)
+    text = tok.decode(tokens)
+    assert text.startswith("sjg:") and text.count("g:") > 1  # the tiny model's (seed 0) greedy text
+    stop = dataclasses.replace(GREEDY, stop=("g:",))
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(ids(tok, "hello"), dataclasses.replace(stop, max_new_tokens=m))
+                                      for m in (4, 6, 3)])
+
+    with CountCalls(engine) as calls:
+        outs = asyncio.run(run())
+    assert calls.rows == [3]
+    for out, (n, reason) in zip(outs, [(4, "stop"), (4, "stop"), (3, "length")]):
+        assert_matches(out, tokens[:n], log_probs[:n])
+        assert out.finish_reason == reason, (n, reason)
+
+
+def test_max_batch_size_splits_the_pending_requests(model_dir, hf, tok):
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig(), max_batch_size=2)
+    prompts = [ids(tok, t) for t in PROMPTS[:5]]
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, GREEDY) for p in prompts])
+
+    with CountCalls(engine) as calls:
+        outs = asyncio.run(run())
+    assert calls.rows == [2, 2, 1]
+    for prompt, out in zip(prompts, outs):
+        assert_matches(out, *reference(hf, prompt, GREEDY))
+
+
+def test_request_checks(engine, tok):
+    async def run(prompt, sampling):
+        return await engine.generate(prompt, sampling)
+
+    with pytest.raises(ValueError, match="n=1"):
+        asyncio.run(run(ids(tok, "a"), dataclasses.replace(GREEDY, n=2)))
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        asyncio.run(run([], GREEDY))
+    with pytest.raises(ValueError, match="one log-prob and one version per token"):
+        Completion([1, 2], [0.0], "stop", [0, 0])
+    with pytest.raises(ValueError, match="finish_reason"):
+        Completion([1], [0.0], "eos", [0])
+
+
+class SlowCall:
+    """Makes the engine's next batched calls signal when they start, then take ``delay_s`` longer."""
+
+    def __init__(self, async_engine, delay_s=0.3):
+        self.inner, self.delay_s = async_engine.engine, delay_s
+        self.generate = self.inner.generate
+        self.started = threading.Event()
+
+    def __call__(self, *args):
+        self.started.set()
+        time.sleep(self.delay_s)
+        return self.generate(*args)
+
+    def __enter__(self):
+        self.inner.generate = self
+        return self
+
+    def __exit__(self, *exc):
+        self.inner.generate = self.generate
+
+
+def _update_around_requests(engine, prompts, state, version):
+    """Request A in a generate call when the update begins, request B queued behind it; the
+    update (bucketed); then every prompt. Returns A, B, the update's metrics, the rest, #buckets."""
+
+    async def run():
+        with SlowCall(engine) as slow:
+            running = asyncio.create_task(engine.generate(prompts[1], GREEDY))
+            await asyncio.to_thread(slow.started.wait, 30)  # A is inside its generate call
+            queued = asyncio.create_task(engine.generate(prompts[2], GREEDY))
+            await asyncio.sleep(0)  # B is in the queue
+            buckets = list(pack_buckets(state.items(), BUCKET))
+            metrics = await engine.update_weights(buckets, version)
+            assert running.done()  # the update waited for the call in flight
+        after = await asyncio.gather(*[engine.generate(p, GREEDY) for p in prompts])
+        return await running, await queued, metrics, after, len(buckets)
+
+    return asyncio.run(run())
+
+
+def test_update_weights_in_buckets_changes_greedy_and_stamps_the_version(engine, hf, hf_new, tok, new_state):
+    prompts = [ids(tok, t) for t in PROMPTS]
+    old = [reference(hf, p, GREEDY) for p in prompts]
+    new = [reference(hf_new, p, GREEDY) for p in prompts]
+    assert sum(o[0] != n[0] for o, n in zip(old, new)) >= len(prompts) // 2  # the new weights differ
+
+    running, queued, metrics, after, num_buckets = _update_around_requests(engine, prompts, new_state, version=1)
+    assert num_buckets > 1
+    assert_matches(running, *old[1])  # HF finishes the call in flight with the old weights ...
+    assert running.policy_versions == [0] * len(running.token_ids)
+    assert_matches(queued, *new[2])  # ... a request still waiting for a call gets the new ones
+    assert queued.policy_versions == [1] * len(queued.token_ids)
+    assert engine.policy_version == 1 and metrics["engine/policy_version"] == 1.0
+    assert metrics["engine/weight_update_s"] >= 0
+    for out, (tokens, log_probs) in zip(after, new):  # ... and everything after with the new ones
+        assert_matches(out, tokens, log_probs)
+        assert out.policy_versions == [1] * len(tokens)
+
+
+def test_updates_from_successive_event_loops(engine, hf, hf_new, tok, model_dir, new_state):
+    """The engine outlives an event loop (notebooks and tests call asyncio.run again and again):
+    an update with a request in flight in one loop, another one in the next loop."""
+    original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    prompts = [ids(tok, t) for t in PROMPTS[:4]]
+    for state, ref in ((new_state, hf_new), (original, hf), (new_state, hf_new)):
+        version = engine.policy_version + 1
+        _, queued, metrics, after, _ = _update_around_requests(engine, prompts, state, version)
+        assert set(queued.policy_versions) == {version}
+        assert metrics["engine/policy_version"] == version
+        for prompt, out in zip(prompts, after):
+            assert_matches(out, *reference(ref, prompt, GREEDY))
+            assert set(out.policy_versions) == {version}
+
+
+def test_update_protocol_errors(model_dir, new_state):
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())
+    [bucket, *_] = pack_buckets(new_state.items(), BUCKET)
+
+    async def run():
+        with pytest.raises(RuntimeError, match="outside begin_update"):
+            await engine.load_bucket(bucket)
+        with pytest.raises(RuntimeError, match="without begin_update"):
+            await engine.finish_update()
+        await engine.begin_update(5)
+        with pytest.raises(RuntimeError, match="another weight update"):
+            await engine.begin_update(6)
+        bad = next(pack_buckets([("model.not_a_weight", torch.zeros(2))], BUCKET))
+        with pytest.raises(KeyError, match="not a parameter"):
+            await engine.load_bucket(bad)
+        await engine.load_bucket(bucket)
+        await engine.finish_update()
+        assert engine.policy_version == 5
+        await engine.close()
+
+    asyncio.run(run())
+
+
+# ------------------------------------------------------------------ vLLM (one fp32 engine)
+VLLM_MAX_NEW = 24
+VLLM_BUCKET = 1 << 20  # about one decoder layer of the tiny model per bucket
+
+
+@pytest.fixture(scope="module")
+def vllm_loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(model_dir, vllm_loop):
+    pytest.importorskip("vllm")
+    from rlcore.engines.async_vllm import AsyncVLLMEngine
+
+    cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=VLLM_MAX_NEW, kv_cache_memory_bytes=1 << 28,
+                        max_model_len=128)
+
+    async def build():  # AsyncLLM belongs to the loop it runs on: every vLLM test uses this one
+        return AsyncVLLMEngine(ModelConfig(path=model_dir), cfg, engine_id="v0")
+
+    engine = vllm_loop.run_until_complete(build())
+    yield engine
+    vllm_loop.run_until_complete(engine.close())
+    engine.llm = None  # AsyncLLM's __del__ shuts down again: let it run now, not at interpreter exit
+    gc.collect()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_concurrent_greedy_equals_hf(vllm_engine, vllm_loop, hf, tok):
+    prompts = [ids(tok, t) for t in PROMPTS]
+    sampling = dataclasses.replace(GREEDY, max_new_tokens=16)
+
+    async def run():
+        return await asyncio.gather(*[vllm_engine.generate(p, sampling, session_id=i) for i, p in enumerate(prompts)])
+
+    outs = vllm_loop.run_until_complete(run())
+    for prompt, out in zip(prompts, outs):
+        tokens, log_probs = reference(hf, prompt, sampling)
+        assert_matches(out, tokens, log_probs)
+        assert out.finish_reason == ("stop" if tokens[-1] == tok.eos_token_id else "length")
+        assert out.policy_versions == [0] * len(tokens) and out.engine_id == "v0"
+    assert vllm_engine.num_running() == 0
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_update_in_flight_switches_versions_mid_response(vllm_engine, vllm_loop, hf, hf_new, tok, new_state,
+                                                              model_dir):
+    """Partial rollout: the weights change between two decode steps of one request. Tokens before
+    the switch are the old weights' greedy ones, tokens after it the new weights' greedy
+    continuation of the context so far (KV recomputed), and ``policy_versions`` says where."""
+    prompt = ids(tok, "7*8=")
+    long = dataclasses.replace(GREEDY, max_new_tokens=VLLM_MAX_NEW, ignore_eos=True)
+    original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    old_tokens, _ = reference(hf, prompt, long)
+
+    async def attempt(delay, version, state):
+        task = asyncio.create_task(vllm_engine.generate(prompt, long))
+        await asyncio.sleep(delay)
+        await vllm_engine.begin_update(version, in_flight=True)
+        for bucket in pack_buckets(state.items(), VLLM_BUCKET):
+            await vllm_engine.load_bucket(bucket)
+        metrics = await vllm_engine.finish_update()
+        return await task, metrics
+
+    async def reset(version):  # back to the original weights, between requests
+        return await vllm_engine.update_weights(pack_buckets(original.items(), VLLM_BUCKET), version)
+
+    # Where the request stands when the update begins depends on timing: adjust the delay until
+    # the switch falls inside the response (a few tries at most).
+    delay, version, tried = 0.05, vllm_engine.policy_version, []
+    for _ in range(8):
+        version += 1
+        out, metrics = vllm_loop.run_until_complete(attempt(delay, version, new_state))
+        versions = out.policy_versions
+        tried.append((delay, versions))
+        assert len(out.token_ids) == VLLM_MAX_NEW and out.finish_reason == "length"
+        assert set(versions) <= {version - 1, version} and versions == sorted(versions)  # one switch
+        if version - 1 in versions and version in versions:
+            break
+        delay = delay / 3 if version not in versions else delay * 2.5  # finished first / paused too early
+        version += 1
+        vllm_loop.run_until_complete(reset(version))
+    else:
+        pytest.fail(f"never caught the request mid-response: {tried}")
+
+    k = versions.index(version)
+    assert 0 < k < VLLM_MAX_NEW
+    assert out.token_ids[:k] == old_tokens[:k]  # the old weights' greedy tokens ...
+    context = prompt + out.token_ids[:k]
+    cont = dataclasses.replace(long, max_new_tokens=VLLM_MAX_NEW - k)
+    new_tokens, new_log_probs = reference(hf_new, context, cont)
+    assert out.token_ids[k:] == new_tokens  # ... then the new weights' continuation of that context
+    torch.testing.assert_close(torch.tensor(out.log_probs[k:]), new_log_probs, atol=LOGPROB_TOL, rtol=0)
+    assert out.token_ids != old_tokens  # the switch did change the response
+
+    assert 0 < metrics["engine/peak_bucket_bytes"] <= VLLM_BUCKET
+    total = sum(v.numel() * v.element_size() for v in new_state.values())
+    assert metrics["engine/weight_bytes"] >= total > metrics["engine/peak_bucket_bytes"]  # several buckets
+    assert metrics["engine/policy_version"] == version == vllm_engine.policy_version
+
+    async def fresh():
+        return await vllm_engine.generate(prompt, long)
+
+    after = vllm_loop.run_until_complete(fresh())  # a request after the update: all new
+    assert after.token_ids == reference(hf_new, prompt, long)[0]
+    assert after.policy_versions == [version] * VLLM_MAX_NEW

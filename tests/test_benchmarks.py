@@ -1,0 +1,25 @@
+"""The benchmarks still run: each one's --quick mode, end to end (timing is printed, never asserted)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module, keys", [
+    ("benchmarks.agentic", {"lockstep", "async", "bare", "async_over_lockstep", "async_over_bare"}),
+    ("benchmarks.weight_sync", {"plain_copy_s", "push_s", "push_over_copy", "peak_bucket_bytes"}),
+])
+def test_quick_mode_runs_and_writes_its_json(module, keys, tmp_path):
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "-m", module, "--quick", "--json", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert keys <= result.keys()
+    assert all(result[k] > 0 for k in keys if isinstance(result[k], float))
