@@ -8,8 +8,10 @@ The pieces (``rlcore.agentic``, ``rlcore.engines``):
     engine servers   Ray actors, one engine each (HF batching loop or vLLM AsyncLLM), own CPUs/GPU
     runners          Ray actors playing many episodes at once, each a coroutine: generate -> env.step
                      (with the env's latency) -> generate ..., every turn of an episode on one engine
-    pool             keeps agentic.groups_in_flight prompt groups being played, hands the trainer
-                     finished groups, carries the rest over; drops groups too stale
+    pool             keeps agentic.groups_in_flight prompt groups (default: one batch) being played,
+                     hands the trainer finished groups as they finish, carries the rest over, tops up
+                     at once: batch k+1 is played while the trainer updates on batch k; drops groups
+                     more than agentic.max_staleness versions old
 Per step:
     take train_batch_size finished groups (rollout.n episodes of one task each)         wait_rollout
     reference log-probs; advantage = the episode reward against its group's             ref / adv
@@ -74,7 +76,7 @@ def train(cfg: DictConfig) -> TrainingRun:
     runners = start_runners(a.num_runners, spec, engines, num_cpus=a.cpus_per_runner)
     reward_fn = RuleRewardManager.from_config(cfg)  # for the single-turn validation
     groups = cfg.data.train_batch_size
-    bucket_bytes = a.bucket_mb * 2**20
+    bucket_bytes = int(a.bucket_mb * 2**20)
 
     def validate_on_engines() -> dict[str, float]:
         return validate(lambda prompts: generate_prompts(engines, prompts, rollout_cfg), val_batches, reward_fn)
@@ -84,7 +86,7 @@ def train(cfg: DictConfig) -> TrainingRun:
         run.on_close(lambda: stop_runners(runners))
         workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
         pool = RolloutPool(runners, episode_tasks(run), cfg.rollout.n, a.groups_in_flight or groups,
-                           max_staleness=a.max_staleness, max_ready=a.max_ready or groups).start()
+                           max_staleness=a.max_staleness, max_ready=a.max_ready).start()
         run.on_close(pool.stop)
         _, engine_state = engine_idle_metrics(engines)
         for step in run.steps():

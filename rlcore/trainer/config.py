@@ -167,11 +167,11 @@ class AgenticConfig:
     num_runners: int = 1  # episode-runner actors (they hold no model: many episodes each, as coroutines)
     cpus_per_runner: float = 0.0  # runners mostly wait on engines and envs
     groups_in_flight: int | None = None  # prompt groups being played at once; null: data.train_batch_size
-    max_ready: int | None = None  # finished groups waiting for the trainer at most (backpressure); null: a batch
+    max_ready: int = 0  # finished groups that may wait beyond groups_in_flight (backpressure: more go stale)
     max_staleness: int = 1  # groups whose oldest token is older than this many versions are dropped
     max_token_staleness: int | None = None  # also mask, token by token, model tokens older than this
     partial_rollout: bool = False  # weight updates land mid-response (tokens stamped per version); false: between responses
-    bucket_mb: int = 256  # weight-sync bucket size (MiB): the extra memory an engine needs for an update
+    bucket_mb: float = 256.0  # weight-sync bucket size (MiB): the extra memory an engine needs for an update
     pop_timeout_s: float = 600.0  # the trainer waits this long for groups, then fails
 
     def __post_init__(self) -> None:

@@ -210,12 +210,13 @@ def test_agentic_grpo_trains_on_streamed_episodes_from_engine_servers(tmp_path, 
     most max_staleness versions old, the weights reach the engine as the next version."""
     cfg = config("agentic_grpo", tmp_path, f"model.path={tiny_model}", "trainer.backend=local", *COMMON_RL,
                  "trainer.total_steps=3", "env.max_total_tokens=40", "env.kwargs.step_latency_s=0.01",
-                 "agentic.cpus_per_engine=1", "agentic.bucket_mb=1")
+                 "agentic.cpus_per_engine=1", "agentic.bucket_mb=0.1")
     run = recipes.agentic_grpo.train(cfg)
     rows = check_metrics(run, 3, RL_KEYS - {"rollout/tokens_per_s", "timing_s/gen"} | {
         "actor/kl_loss", "actor/is/weight_mean", "episode/reward_mean", "episode/turns_mean", "pool/wait_s",
         "pool/staleness_mean", "engine/idle_frac", "sync/push_s", "sync/peak_bucket_bytes", "timing_s/wait_rollout"})
     assert all(r["pool/staleness_mean"] <= 1 for r in rows[1:])
     assert rows[1]["pool/staleness_mean"] == 0  # the first groups come from the starting weights
-    assert all(r["sync/peak_bucket_bytes"] <= 2**20 or r["sync/buckets"] == 1 for r in rows[1:])
-    assert all(r["sync/buckets"] > 1 for r in rows[1:])  # 1 MiB buckets: the model travels in several
+    # 0.1 MiB buckets: the model travels in several (a decoder layer, ~0.15 MiB here, alone in one),
+    # and no bucket ever holds the whole model.
+    assert all(r["sync/buckets"] > 1 and r["sync/peak_bucket_bytes"] < r["sync/bytes"] / 2 for r in rows[1:])
