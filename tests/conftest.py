@@ -1,10 +1,15 @@
-"""Shared fixtures: one local Ray instance for the whole session (fractional CPUs per actor)."""
+"""Shared fixtures: one local Ray instance for the whole session (fractional CPUs per actor), and the
+seed-0 tiny model (directory, tokenizer, HF reference model) that engine and rollout tests compare against,
+built once per module that asks for it (a module may define its own instead)."""
 
 import os
 import sys
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from rlcore.models.tiny import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,3 +27,18 @@ def ray_cluster():
         os.environ["PYTHONPATH"] = ray_worker_pythonpath()
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir):
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def ref_model(model_dir):
+    return AutoModelForCausalLM.from_pretrained(model_dir).eval()

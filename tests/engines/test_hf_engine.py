@@ -3,29 +3,13 @@
 import pytest
 import torch
 from engine_fixtures import PROMPTS, generate, hand_greedy, hand_log_probs, make_prompts, settings, unpadded
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from rlcore.engines import RolloutConfig, build_engine
 from rlcore.engines.hf_engine import HFEngine
 from rlcore.models.config import ModelConfig
-from rlcore.models.tiny import build_tiny_model
 
 MAX_NEW = 10
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def ref_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
 @pytest.fixture(scope="module")

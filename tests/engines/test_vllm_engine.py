@@ -8,12 +8,10 @@ Tolerance: with an fp32 engine vLLM's log-probs agree with HF's / a hand log_sof
 import pytest
 import torch
 from engine_fixtures import PROMPTS, generate, hand_log_probs, make_prompts, settings, unpadded
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.engines import RolloutConfig, SamplingSettings, build_engine
 from rlcore.engines.hf_engine import HFEngine
 from rlcore.models.config import ModelConfig
-from rlcore.models.tiny import build_tiny_model
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -21,21 +19,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 MAX_NEW = 16
 LOGPROB_TOL = 1e-5
 LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_vllm"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def ref_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
 @pytest.fixture(scope="module")

@@ -4,31 +4,15 @@ dispatch over ranks, weight updates and errors (the engine itself: tests/engines
 import pytest
 import torch
 from rollout_fixtures import PROMPTS, generate, hand_greedy, local_rollout, make_prompts, unpadded
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from rlcore.engines import RolloutConfig, SamplingSettings
 from rlcore.engines.hf_engine import HFEngine
 from rlcore.models.config import ModelConfig
-from rlcore.models.tiny import build_tiny_model
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.rollout import RolloutWorker
 
 MAX_NEW = 10
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
-def ref_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir).eval()
 
 
 @pytest.fixture(scope="module")
