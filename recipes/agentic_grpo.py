@@ -25,8 +25,6 @@ Resume restores the trainer's weights and pushes them to the engines; groups in 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
@@ -43,18 +41,12 @@ from rlcore.trainer.advantage import compute_advantage, compute_rewards
 from rlcore.trainer.builder import build_data, build_workers, init_ray
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.tasks import episode_tasks
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
 from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "env", "agentic", "trainer")
 register_schema("agentic_grpo_schema", SECTIONS)
-
-
-def episode_tasks(run: TrainingRun) -> Iterator[dict]:
-    """Endless episode tasks (question and answer) from the run's resumable prompt loader."""
-    while True:
-        columns = run.next_prompts().non_tensor_batch
-        yield from ({"prompt": p, "answer": a} for p, a in zip(columns["raw_prompt"], columns["ground_truth"]))
 
 
 def train(cfg: DictConfig) -> TrainingRun:

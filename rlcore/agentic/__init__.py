@@ -12,11 +12,16 @@
   ``EnvEpisodes``, the rollout worker's ``EpisodeRunner`` built on it;
 - ``replay_buffer``: ``ReplayBuffer`` (staleness-bounded, version-tagged rows),
   ``importance_weights``, ``AsyncRolloutLoop`` (a producer thread over a rollout group);
-- ``router``: ``SessionRouter`` over synchronous engines (batched turns).
+- ``router``: ``SessionRouter`` over synchronous engines (batched turns);
+- ``chat_agent``: the ``ChatAgent`` contract (a black-box agent on the OpenAI client) and
+  ``ChatAgentRunner``; ``chat_proxy``: the per-session OpenAI-compatible endpoint it talks to;
+  ``chat_session``: its token-exact trajectories; ``openai_wire``, ``tool_calls``: the wire format.
 """
 
 from rlcore.agentic.async_router import AsyncSessionRouter
 from rlcore.agentic.chat import ChatDelta
+from rlcore.agentic.chat_agent import AgentError, ChatAgent, ChatAgentRunner, ChatAgentSpec, ChatContext
+from rlcore.agentic.chat_proxy import ChatProxy, ChatProxyConfig
 from rlcore.agentic.env import ArithmeticRetryEnv, Env, GuessNumberEnv, LatencyEnv, Result, make_env, register_env
 from rlcore.agentic.episode import EnvError, Trajectory, play_episode, to_dataproto
 from rlcore.agentic.multi_turn import EnvEpisodes, MultiTurnRollout
@@ -26,6 +31,7 @@ from rlcore.agentic.router import SessionRouter, TurnOutput
 from rlcore.agentic.runner import EpisodeRunner, EpisodeSpec, generate_prompts, start_runners, stop_runners
 
 __all__ = [
+    "AgentError", "ChatAgent", "ChatAgentRunner", "ChatAgentSpec", "ChatContext", "ChatProxy", "ChatProxyConfig",
     "ArithmeticRetryEnv", "AsyncRolloutLoop", "AsyncSessionRouter", "ChatDelta", "Env", "EnvEpisodes", "EnvError",
     "EpisodeRunner", "EpisodeSpec", "GuessNumberEnv", "LatencyEnv", "MultiTurnRollout", "ReplayBuffer", "Result",
     "RolloutError", "RolloutPool", "SessionRouter", "Trajectory", "TurnOutput", "importance_weights", "make_env",

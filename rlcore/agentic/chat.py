@@ -54,11 +54,14 @@ class ChatDelta:
                          add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """The ids to append after the model's turn: the rest of its end-of-turn text, then
         ``new_messages`` (user / tool) and, unless told otherwise, the next assistant cue."""
+        # kwargs (tools=...) may change what the template writes before the first message: the
+        # probe is rendered with the same ones, so only the new messages differ.
+        probe_text = self.render(self._probe, **kwargs) if kwargs else self._probe_text
         full = self.render(self._probe + list(new_messages), add_generation_prompt=add_generation_prompt, **kwargs)
-        if not full.startswith(self._probe_text):
+        if not full.startswith(probe_text):
             raise ValueError("the chat template re-renders the probe conversation when messages follow it; "
                              "delta rendering needs earlier turns to render the same")
-        return self.encode(self._missing_end_of_turn(model_token_ids) + full[len(self._probe_text):])
+        return self.encode(self._missing_end_of_turn(model_token_ids) + full[len(probe_text):])
 
     def _missing_end_of_turn(self, model_token_ids: Sequence[int]) -> str:
         """The part of ``end_of_turn`` the model's own text does not already end with."""

@@ -65,6 +65,7 @@ class Trajectory:
     info: dict[str, float] = dataclasses.field(default_factory=dict)  # the env's scalars, last value of each
     metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # time spent generating / in the env
     last_action: list[int] = dataclasses.field(default_factory=list)  # the model's latest turn
+    episode_id: Any = None  # set when one episode yields several trajectories (a chat agent's segments)
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.token_ids)

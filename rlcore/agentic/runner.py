@@ -110,9 +110,11 @@ def stop_runners(runners: Sequence[Any]) -> None:
         ray.kill(runner)
 
 
-def start_runners(count: int, spec: EpisodeSpec, engines: Sequence[AsyncEngine], num_cpus: float = 0.5,
-                  max_concurrency: int = 4096) -> list[Any]:
-    """``count`` runner actors spread over the nodes (``SPREAD``), each routing over all ``engines``."""
-    actor_cls = ray.remote(EpisodeRunner)
+def start_runners(count: int, spec: Any, engines: Sequence[AsyncEngine], num_cpus: float = 0.5,
+                  max_concurrency: int = 4096, runner_cls: type = EpisodeRunner) -> list[Any]:
+    """``count`` runner actors spread over the nodes (``SPREAD``), each routing over all ``engines``:
+    ``EpisodeRunner``s of an ``EpisodeSpec`` or, with ``runner_cls``, e.g. ``ChatAgentRunner``s of a
+    ``ChatAgentSpec``."""
+    actor_cls = ray.remote(runner_cls)
     return [actor_cls.options(num_cpus=num_cpus, max_concurrency=max_concurrency, scheduling_strategy="SPREAD")
             .remote(spec, list(engines), i) for i in range(count)]

@@ -35,22 +35,38 @@ def _group_ids(index: Sequence[Hashable] | np.ndarray | Tensor, batch_size: int,
     return torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
 
 
-def _group_mean_std(scores: Tensor, gid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sequence group mean, unbiased group std and group size (broadcast back to rows).
+def _first_of_each(episode_index: Sequence[Hashable] | np.ndarray, batch_size: int, device) -> Tensor:
+    """A mask of one row per episode (its first): an episode of several rows (a chat agent's
+    segments, all with the episode's reward) counts once in its group's statistics."""
+    labels = np.asarray(episode_index)
+    if labels.shape != (batch_size,):
+        raise ValueError(f"episode_index must hold one episode id per sequence ({batch_size}), got {labels.shape}")
+    _, first = np.unique(labels, return_index=True)
+    keep = torch.zeros(batch_size, dtype=torch.bool, device=device)
+    keep[torch.as_tensor(first, device=device)] = True
+    return keep
+
+
+def _group_mean_std(scores: Tensor, gid: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-sequence group mean, unbiased group std and group size (broadcast back to rows), over
+    the rows in ``keep`` (all by default).
 
     A group of one has no spread to measure: it gets mean 0 and std 1, so its advantage is its
     raw score rather than a meaningless 0/0.
     """
     n_groups = int(gid.max()) + 1
+    all_gid = gid
+    if keep is not None:
+        scores, gid = scores[keep], gid[keep]
     counts = torch.bincount(gid, minlength=n_groups).to(scores.dtype)
     sums = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(0, gid, scores)
-    mean = sums / counts
+    mean = sums / counts.clamp(min=1)
     sq = torch.zeros_like(sums).index_add_(0, gid, (scores - mean[gid]) ** 2)
     std = torch.sqrt(sq / (counts - 1).clamp(min=1))
     single = counts == 1
     mean = torch.where(single, torch.zeros_like(mean), mean)
     std = torch.where(single, torch.ones_like(std), std)
-    return mean[gid], std[gid], counts[gid]
+    return mean[all_gid], std[all_gid], counts[all_gid]
 
 
 def _returns_to_go(rewards: Tensor, response_mask: Tensor, gamma: float) -> Tensor:
@@ -113,6 +129,7 @@ def compute_grpo_outcome_advantage(
     index: Sequence[Hashable] | np.ndarray,
     norm_adv_by_std: bool = True,
     epsilon: float = 1e-6,
+    episode_index: Sequence[Hashable] | np.ndarray | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GRPO (Shao et al. 2024): outcome score normalised within its prompt group.
 
@@ -120,12 +137,14 @@ def compute_grpo_outcome_advantage(
     ``index[i]`` form a group; A_i = (score_i - mean_g) / (std_g + epsilon) with the unbiased
     std, or just score_i - mean_g when ``norm_adv_by_std`` is False (Dr. GRPO, Liu et al. 2025,
     which argues the std division over-weights easy/hard prompts). A_i is broadcast over the
-    valid tokens. There is no critic, so returns are the advantages.
+    valid tokens. There is no critic, so returns are the advantages. With ``episode_index``, rows
+    of one episode (segments sharing its reward) count once in the group's mean and std.
     """
     check_same_shape("token_level_rewards", token_level_rewards, "response_mask", response_mask)
     scores = token_level_rewards.sum(dim=-1)
     gid = _group_ids(index, scores.shape[0], scores.device)
-    mean, std, _ = _group_mean_std(scores, gid)
+    keep = None if episode_index is None else _first_of_each(episode_index, scores.shape[0], scores.device)
+    mean, std, _ = _group_mean_std(scores, gid, keep)
     adv = scores - mean
     if norm_adv_by_std:
         adv = adv / (std + epsilon)
@@ -139,10 +158,11 @@ def compute_dr_grpo_outcome_advantage(
     response_mask: Tensor,
     index: Sequence[Hashable] | np.ndarray,
     epsilon: float = 1e-6,
+    episode_index: Sequence[Hashable] | np.ndarray | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Dr. GRPO: GRPO's group-mean baseline without dividing by the group std."""
     return compute_grpo_outcome_advantage(
-        token_level_rewards, response_mask, index, norm_adv_by_std=False, epsilon=epsilon
+        token_level_rewards, response_mask, index, norm_adv_by_std=False, epsilon=epsilon, episode_index=episode_index
     )
 
 

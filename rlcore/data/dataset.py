@@ -112,6 +112,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 raw_prompts.append(self._render(row[prompt_key], path, i))
                 records.append({
                     "ground_truth": row[answer_key] if answer_key else None,
+                    **({"messages": self._messages(row[prompt_key])} if self.use_chat_template else {}),
                     **{k: row[k] for k in self.extra_keys},
                 })
 
@@ -134,6 +135,11 @@ class PromptDataset(torch.utils.data.Dataset):
         if not self.items:
             raise ValueError(f"no prompts left: all {len(raw_prompts)} are longer than "
                              f"max_prompt_length={max_prompt_length}")
+
+    @staticmethod
+    def _messages(prompt: Any) -> list[dict[str, Any]]:
+        """The prompt as chat messages, before the template (what a chat agent sends)."""
+        return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
     def _render(self, prompt: Any, path: str | Path, row: int) -> str:
         """The exact text the policy sees: the prompt after the chat template (if any)."""

@@ -53,11 +53,16 @@ class Completion:
     policy_versions: list[int]  # per token: the weights version that sampled it
     engine_id: int | str | None = None  # which engine served it (set by routers and servers)
     metrics: dict[str, float] = field(default_factory=dict)  # e.g. queue time of the request
+    # per token, when asked (sampling.top_logprobs = k): the k most likely (token id, log-prob) of its step
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.token_ids) == len(self.log_probs) == len(self.policy_versions):
             raise ValueError(f"a completion needs one log-prob and one version per token: {len(self.token_ids)} "
                              f"tokens, {len(self.log_probs)} log-probs, {len(self.policy_versions)} versions")
+        if self.top_logprobs is not None and len(self.top_logprobs) != len(self.token_ids):
+            raise ValueError(f"top_logprobs needs one entry per token: {len(self.top_logprobs)} for "
+                             f"{len(self.token_ids)} tokens")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
 

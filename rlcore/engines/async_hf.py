@@ -124,10 +124,14 @@ class AsyncHFEngine(AsyncEngine):
         for row, r in enumerate(live):
             n = min(int(gen.lengths[row]), r.sampling.max_new_tokens)
             stopped = int(gen.lengths[row]) <= r.sampling.max_new_tokens and self._ends_with_stop(gen, row, n, r)
+            top = None
+            if gen.top_ids is not None:
+                top = [list(zip(ids, lps)) for ids, lps in zip(gen.top_ids[row, :n].tolist(),
+                                                                gen.top_log_probs[row, :n].tolist())]
             completion = Completion(
                 token_ids=gen.responses[row, :n].tolist(), log_probs=gen.log_probs[row, :n].tolist(),
                 finish_reason="stop" if stopped else "length", policy_versions=[version] * n,
-                engine_id=self.engine_id, metrics={"engine/queue_s": start - r.queued_at})
+                engine_id=self.engine_id, metrics={"engine/queue_s": start - r.queued_at}, top_logprobs=top)
             if not r.future.done():
                 r.future.set_result(completion)
 

@@ -74,7 +74,7 @@ class AsyncVLLMEngine(AsyncEngine):
 
         sample = dict(temperature=0.0) if s.greedy else dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         return SamplingParams(n=1, **sample, max_tokens=s.max_new_tokens, stop=list(s.stop) or None,
-                              stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos, logprobs=0,
+                              stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos, logprobs=s.top_logprobs,
                               detokenize=bool(s.stop), output_kind=RequestOutputKind.FINAL_ONLY)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
@@ -103,8 +103,13 @@ class AsyncVLLMEngine(AsyncEngine):
         log_probs = [step[t].logprob for step, t in zip(c.logprobs or [], tokens)]
         versions = _versions(c.weight_versions, len(tokens), self.policy_version)
         reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(c.finish_reason), "stop")
+        top = None
+        if sampling.top_logprobs:  # vLLM gives the top k plus the sampled token: rank them, keep k
+            k = sampling.top_logprobs
+            top = [sorted(((t, lp.logprob) for t, lp in step.items() if lp.rank is not None and lp.rank <= k),
+                          key=lambda pair: -pair[1])[:k] for step in (c.logprobs or [])]
         return Completion(tokens, log_probs, reason, versions, engine_id=self.engine_id,
-                          metrics={"engine/request_s": time.perf_counter() - start})
+                          metrics={"engine/request_s": time.perf_counter() - start}, top_logprobs=top)
 
     def num_running(self) -> int:
         return self._running

@@ -72,9 +72,11 @@ class SamplingSettings:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0  # also return the k most likely tokens at each step, with their log-probs
 
     OVERRIDABLE = ("temperature", "top_p", "top_k", "max_new_tokens", "n", "do_sample", "stop", "stop_token_ids",
                    "ignore_eos")
+    MAX_TOP_LOGPROBS = 20
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -87,6 +89,8 @@ class SamplingSettings:
             raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.n <= 0:
             raise ValueError(f"n must be positive, got {self.n}")
+        if not 0 <= self.top_logprobs <= self.MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {self.MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         object.__setattr__(self, "top_k", max(self.top_k, 0))
 
     @property
@@ -123,11 +127,15 @@ class Generation:
     responses: (B, max_new_tokens) token ids, anything after ``lengths[i]`` is ignored.
     lengths: (B,) number of generated tokens per row (stop token included).
     log_probs: (B, max_new_tokens) the sampler's log-prob of each generated token.
+    top_ids, top_log_probs: (B, max_new_tokens, k) the k most likely tokens of each step and their
+        log-probs, under the same (processed) distribution; only when ``settings.top_logprobs = k > 0``.
     """
 
     responses: torch.Tensor
     lengths: torch.Tensor
     log_probs: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_log_probs: torch.Tensor | None = None
 
 
 class Engine(ABC):

@@ -127,16 +127,23 @@ class HFEngine(Engine):
         )
         tokens = out.sequences[:, prompt_len:]
         steps = tokens.shape[1]
-        log_probs = torch.stack(
-            [torch.log_softmax(s.float(), dim=-1).gather(-1, tokens[:, t : t + 1]).squeeze(-1) for t, s in enumerate(out.scores)],
-            dim=1,
-        )
+        step_log_probs = [torch.log_softmax(s.float(), dim=-1) for s in out.scores]
+        log_probs = torch.stack([lp.gather(-1, tokens[:, t : t + 1]).squeeze(-1)
+                                 for t, lp in enumerate(step_log_probs)], dim=1)
         lengths = torch.where(recorder.lengths < 0, steps, recorder.lengths)
         width = settings.max_new_tokens
+        top_ids = top_log_probs = None
+        if settings.top_logprobs:
+            top = [lp.topk(settings.top_logprobs, dim=-1) for lp in step_log_probs]
+            pad = (0, 0, 0, width - steps)
+            top_ids = torch.nn.functional.pad(torch.stack([t.indices for t in top], 1).cpu(), pad, value=self.pad_token_id)
+            top_log_probs = torch.nn.functional.pad(torch.stack([t.values for t in top], 1).cpu(), pad, value=0.0)
         return Generation(
             responses=torch.nn.functional.pad(tokens.cpu(), (0, width - steps), value=self.pad_token_id),
             lengths=lengths,
             log_probs=torch.nn.functional.pad(log_probs.cpu(), (0, width - steps), value=0.0),
+            top_ids=top_ids,
+            top_log_probs=top_log_probs,
         )
 
     @torch.no_grad()

@@ -44,9 +44,21 @@ DEFAULT_CHARS = (
     string.digits + "+-*/=" + " " + string.ascii_lowercase + ".,:;?!'\"()<>#$%_\\{}" + "\n"
 )
 
-# Renders "user: <content>\n" per message, then "assistant: " when a reply is wanted.
+# Renders "<role>: <content>\n" per message, then "assistant: " when a reply is wanted. With
+# tools, a first line "tools: name(arg, ...), ..." lists them; an assistant message's tool calls
+# follow its content as <tool_call>{"name": ..., "arguments": {...}}</tool_call> (the convention
+# rlcore.agentic.tool_calls parses); a tool result is a "tool: <content>" line.
 CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}tools: {% for t in tools %}{% set f = t['function'] if t['function'] is defined else t %}"
+    "{{ f['name'] }}({{ (f['parameters']['properties'] if f['parameters'] is defined and "
+    "f['parameters']['properties'] is defined else {}) | join(', ') }}){% if not loop.last %}, {% endif %}"
+    "{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}{{ m['role'] }}: {% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "{% set f = c['function'] if c['function'] is defined else c %}"
+    "<tool_call>{\"name\": \"{{ f['name'] }}\", \"arguments\": "
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 

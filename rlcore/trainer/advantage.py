@@ -71,6 +71,8 @@ def compute_advantage(batch: DataProto, algo: DictConfig) -> None:
             offered[key] = b[key]
     if "uid" in batch.non_tensor_batch:
         offered["index"] = batch.non_tensor_batch["uid"]
+    if "episode" in batch.non_tensor_batch:  # rows of one episode (a chat agent's segments)
+        offered["episode_index"] = batch.non_tensor_batch["episode"]
     params = inspect.signature(estimator).parameters
     missing = [name for name, p in params.items() if p.default is inspect.Parameter.empty and name not in offered]
     if missing:

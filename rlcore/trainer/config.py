@@ -183,6 +183,25 @@ class AgenticConfig:
                              f"{self.max_staleness}")
 
 
+@dataclass
+class AgentConfig:
+    """The black-box chat agent of ``recipes/chat_agent_grpo.py`` and its OpenAI endpoint."""
+
+    path: str = "examples/agents/arithmetic_chat.py:RetryAgent"  # file.py:Class or package.module:Class
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the agent's constructor arguments
+    max_total_tokens: int = 64  # prompt + all replies of one segment at most
+    episode_timeout_s: float = 120.0  # an agent that runs longer fails the episode (AgentError)
+    request_timeout_s: float = 120.0  # one request's generation
+    max_n: int = 8  # choices per request
+    max_request_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if ":" not in self.path:
+            raise ValueError(f"agent.path must be 'file.py:Class' or 'package.module:Class', got {self.path!r}")
+        if self.max_total_tokens < 2 or self.episode_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("agent.max_total_tokens must be >= 2 and the timeouts > 0")
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "tiny_model": TinyModelConfig,
@@ -196,6 +215,7 @@ SECTIONS: dict[str, type] = {
     "algorithm": AlgorithmConfig,
     "warmstart": WarmStartConfig,
     "replay": ReplayConfig,
+    "agent": AgentConfig,
     "env": EnvConfig,
     "agentic": AgenticConfig,
 }

@@ -348,6 +348,35 @@ def test_vllm_concurrent_greedy_equals_hf(vllm_engine, vllm_loop, hf, tok):
     assert vllm_engine.num_running() == 0
 
 
+def check_top_logprobs(completion: Completion, model_dir: str, prompt: list[int], k: int) -> None:
+    """Each step's k best (id, log-prob) are those of a full forward of the model, best first."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion.token_ids])).logits[0, len(prompt) - 1:-1]
+    reference_top = torch.log_softmax(logits.float(), -1).topk(k)
+    assert len(completion.top_logprobs) == len(completion.token_ids)
+    for step, pairs in enumerate(completion.top_logprobs):
+        assert [i for i, _ in pairs] == reference_top.indices[step].tolist()
+        assert [v for _, v in pairs] == pytest.approx(reference_top.values[step].tolist(), abs=1e-4)
+    assert completion.token_ids[0] == completion.top_logprobs[0][0][0]  # greedy: the best one
+
+
+def test_hf_top_logprobs_rank_each_step(tok, model_dir):
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())  # the module's one has other weights by now
+    prompt = ids(tok, "12+3=")
+    out = asyncio.run(engine.generate(prompt, dataclasses.replace(GREEDY, top_logprobs=3)))
+    check_top_logprobs(out, model_dir, prompt, 3)
+    assert asyncio.run(engine.generate(prompt, GREEDY)).top_logprobs is None  # only when asked
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_top_logprobs_rank_each_step(vllm_engine, vllm_loop, tok, model_dir):
+    prompt = ids(tok, "12+3=")
+    out = vllm_loop.run_until_complete(vllm_engine.generate(prompt, dataclasses.replace(GREEDY, top_logprobs=3)))
+    check_top_logprobs(out, model_dir, prompt, 3)
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_update_in_flight_switches_versions_mid_response(vllm_engine, vllm_loop, hf, hf_new, tok, new_state,

@@ -19,6 +19,7 @@ from hydra import compose, initialize_config_dir
 
 import recipes.agentic_grpo
 import recipes.async_grpo
+import recipes.chat_agent_grpo
 import recipes.grpo
 import recipes.multi_turn_grpo
 import recipes.ppo
@@ -220,3 +221,17 @@ def test_agentic_grpo_trains_on_streamed_episodes_from_engine_servers(tmp_path, 
     # 0.1 MiB buckets: the model travels in several (a decoder layer, ~0.15 MiB here, alone in one),
     # and no bucket ever holds the whole model.
     assert all(r["sync/buckets"] > 1 and r["sync/peak_bucket_bytes"] < r["sync/bytes"] / 2 for r in rows[1:])
+
+
+def test_chat_agent_grpo_trains_a_black_box_openai_agent(tmp_path, tiny_model, ray_cluster):
+    """The example agent (stock openai client) in a runner actor, talking to the chat proxy there:
+    every step trains on its episodes' segments, each row's reward one the agent's rule can give."""
+    cfg = config("chat_agent_grpo", tmp_path, f"model.path={tiny_model}", "trainer.backend=local", *COMMON_RL,
+                 "trainer.total_steps=2", "agentic.cpus_per_engine=1", "agentic.bucket_mb=0.1")
+    run = recipes.chat_agent_grpo.train(cfg)
+    rows = check_metrics(run, 2, RL_KEYS - {"rollout/tokens_per_s", "timing_s/gen"} | {
+        "actor/kl_loss", "episode/reward_mean", "episode/requests_mean", "episode/segments_mean",
+        "pool/staleness_mean", "sync/push_s", "timing_s/wait_rollout"})
+    for r in rows[1:]:
+        assert 1 <= r["episode/requests_mean"] <= 3 and r["episode/segments_mean"] == 1.0
+        assert r["critic/score/max"] in (0.0, 0.25, 0.5, 1.0)  # the agent's rewards: 0.5 ** (try - 1), or 0

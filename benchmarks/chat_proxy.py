@@ -1,0 +1,134 @@
+"""The chat proxy's cost: a black-box agent's episodes through the OpenAI endpoint vs the same
+requests straight to the engine.
+
+    python -m benchmarks.chat_proxy [--episodes 256] [--concurrency 128] [--backend hf|vllm] [--in-process]
+                                    [--json out.json]
+
+N episodes of ``examples/agents/arithmetic_chat.py:RetryAgent`` (up to 3 tries, 8 tokens a reply),
+C in flight at a time, on the tiny model and one engine: an engine server (a Ray actor of its own,
+1 CPU, as in the recipe) by default, or in this process (``--in-process``, where the agents, the
+proxy and the engine share one interpreter):
+
+  (a) proxy: ``ChatAgentRunner`` playing them: the agent's ``openai.AsyncOpenAI`` client, HTTP to the
+      proxy on this event loop, session rendering, then the engine;
+  (b) bare:  the very token requests (a) sent (the contexts recorded in (a)), C at a time, straight to
+      the same engine: the engine's own throughput on this work, the limit for (a).
+
+Prints requests/s and generated tokens/s of each and the ratio a/b; ``--json`` writes them. The
+ratio is what the agent's client, HTTP and rendering cost per request against the generation it
+carries (on 2 cores they also take CPU from the engine). Timing is reported, never asserted (the
+test suite runs ``--quick``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import ray
+import torch
+
+from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
+from rlcore.data.arithmetic import make_arithmetic_examples
+from rlcore.engines import RolloutConfig, SamplingSettings
+from rlcore.engines.server import build_async_engine, start_engine_servers, stop_engine_servers
+from rlcore.models import ModelConfig, build_tiny_model
+
+AGENT = str(Path(__file__).resolve().parent.parent / "examples/agents/arithmetic_chat.py") + ":RetryAgent"
+
+
+class Recorder:
+    """The engine, with every request it is sent (context and budget) written down."""
+
+    def __init__(self, engine) -> None:
+        self.engine, self.requests, self.tokens = engine, [], 0
+        self.pad_token_id = engine.pad_token_id
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        completion = await self.engine.generate(prompt_ids, sampling, session_id)
+        self.requests.append((list(prompt_ids), sampling))
+        self.tokens += len(completion.token_ids)
+        return completion
+
+    def num_running(self) -> int:
+        return self.engine.num_running()
+
+
+async def _limited(coros, concurrency: int):
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(coro):
+        async with gate:
+            return await coro
+    return await asyncio.gather(*[one(c) for c in coros])
+
+
+async def run(args) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="bench-chat-"))
+    model_dir = build_tiny_model(work / "model", seed=0)
+    rollout_cfg = RolloutConfig(backend=args.backend, max_new_tokens=8, dtype="float32",
+                                kv_cache_memory_bytes=256 << 20, max_model_len=256)
+    if args.in_process:
+        engine = build_async_engine(ModelConfig(path=model_dir), rollout_cfg)
+    else:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        [engine] = start_engine_servers(1, ModelConfig(path=model_dir), rollout_cfg, num_cpus=1)
+    sampling = SamplingSettings.resolve(rollout_cfg, {"n": 1})
+    recorder = Recorder(engine)
+    spec = ChatAgentSpec(AGENT, model_dir, sampling, {"max_tries": 3}, max_total_tokens=128)
+    runner = ChatAgentRunner(spec, [engine])
+    runner.router.engines = [recorder]  # same engine, requests written down
+    tasks = [{"messages": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
+             for r in make_arithmetic_examples(args.episodes, seed=0, max_operand=19)]
+    await runner.url()
+    await _limited([runner.play(t, f"warm-{i}") for i, t in enumerate(tasks[:8])], 8)  # warm up both paths
+    recorder.requests, recorder.tokens = [], 0
+
+    start = time.perf_counter()
+    await _limited([runner.play(t, f"s{i}") for i, t in enumerate(tasks)], args.concurrency)
+    proxy_s, proxy_tokens, requests = time.perf_counter() - start, recorder.tokens, list(recorder.requests)
+
+    start = time.perf_counter()
+    completions = await _limited([engine.generate(ids, s) for ids, s in requests], args.concurrency)
+    bare_s, bare_tokens = time.perf_counter() - start, sum(len(c.token_ids) for c in completions)
+    await runner.close()
+    if args.in_process:
+        await engine.close()
+    else:
+        stop_engine_servers([engine])
+    out = {"backend": args.backend, "engine": "in-process" if args.in_process else "server", "episodes": args.episodes, "concurrency": args.concurrency,
+           "requests": len(requests), "proxy_s": proxy_s, "bare_s": bare_s,
+           "proxy_requests_per_s": len(requests) / proxy_s, "bare_requests_per_s": len(requests) / bare_s,
+           "proxy_tokens_per_s": proxy_tokens / proxy_s, "bare_tokens_per_s": bare_tokens / bare_s,
+           "proxy_over_bare_requests": (len(requests) / proxy_s) / (len(requests) / bare_s)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--episodes", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--in-process", action="store_true", help="the engine in this process, not a server")
+    parser.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--quick", action="store_true", help="a few episodes: proves it runs")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    if args.quick:
+        args.episodes, args.concurrency = 16, 8
+    torch.manual_seed(0)
+    out = asyncio.run(run(args))
+    print(f"{out['requests']} requests of {out['episodes']} episodes, {out['concurrency']} in flight, "
+          f"{args.backend} engine {out['engine']}:")
+    print(f"  proxy  {out['proxy_requests_per_s']:8.1f} requests/s  {out['proxy_tokens_per_s']:8.1f} tokens/s")
+    print(f"  bare   {out['bare_requests_per_s']:8.1f} requests/s  {out['bare_tokens_per_s']:8.1f} tokens/s")
+    print(f"  proxy / bare: {out['proxy_over_bare_requests']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

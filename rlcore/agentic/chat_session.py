@@ -1,0 +1,178 @@
+"""One chat session's token-exact trajectory, built from the OpenAI requests of a black-box agent.
+
+Why not render each request whole: the agent sends its whole conversation every time, as text.
+Rendering it through the chat template again and tokenizing need not give back the ids the
+policy sampled (merges, whitespace, a template that drops earlier reasoning), and the trainer
+would then score a sequence the sampler never produced. So a session keeps the exact ids: the
+first request is rendered whole (the segment's prompt), and each later request that *extends*
+the conversation (its messages are the previous request's, then the reply we gave, then new
+ones) adds only the new messages' delta (``ChatDelta.after_model_turn``) after the sampled ids.
+
+A request that does not extend it (the agent compacted or edited its history, changed its tools)
+seals the segment and starts a new one from that request's full rendering; the episode's
+segments share its reward and group. The same request sent again (a client retry, a stream
+the client dropped) generates again from the same context, the unseen reply discarded. With
+``n > 1`` choices, the one the next request continues is kept (the others are discarded); when
+no request follows, the agent is taken to have used ``choices[0]``, as nearly every agent does.
+
+A session's requests are served one at a time (``lock``): its history is a single line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlcore.agentic.chat import ChatDelta
+from rlcore.agentic.episode import Trajectory
+from rlcore.agentic.tool_calls import canonical_arguments
+from rlcore.engines.async_base import Completion
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class RequestError(ValueError):
+    """A request the session cannot serve; ``code`` and ``param`` follow OpenAI's error body."""
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+@dataclass
+class Reply:
+    """One choice returned to the agent: what was sampled, and the message the agent got."""
+
+    completion: Completion
+    message: dict[str, Any]
+
+
+def template_message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """A wire message as the chat template takes it: text content (text parts joined), the tool
+    calls of an assistant message, the ``tool_call_id`` / ``name`` of a tool result."""
+    if not isinstance(message, Mapping):
+        raise RequestError(f"messages[{index}] must be an object, got {type(message).__name__}",
+                           param=f"messages[{index}]")
+    role = message.get("role")
+    if role not in ROLES:
+        raise RequestError(f"messages[{index}].role must be one of {ROLES}, got {role!r}",
+                           param=f"messages[{index}].role")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise RequestError(f"messages[{index}].content[{j}]: only text parts are supported",
+                                   param=f"messages[{index}].content")
+            parts.append(part["text"])
+        content = "".join(parts)
+    elif content is not None and not isinstance(content, str):
+        raise RequestError(f"messages[{index}].content must be a string, a list of text parts or null",
+                           param=f"messages[{index}].content")
+    out: dict[str, Any] = {"role": role, "content": content or ""}
+    calls = message.get("tool_calls") or []
+    if calls:
+        if role != "assistant" or not isinstance(calls, list):
+            raise RequestError(f"messages[{index}].tool_calls: only an assistant message has a list of them",
+                               param=f"messages[{index}].tool_calls")
+        out["tool_calls"] = [_template_call(c, index) for c in calls]
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            out[key] = str(message[key])
+    return out
+
+
+def _template_call(call: Any, index: int) -> dict[str, Any]:
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise RequestError(f"messages[{index}].tool_calls: each call needs function.name and function.arguments",
+                           param=f"messages[{index}].tool_calls")
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": fn["name"], "arguments": canonical_arguments(fn.get("arguments", {}))}}
+
+
+def _same_message(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Equal as the template sees them (a tool call's id is the client's business)."""
+    def key(m: Mapping[str, Any]) -> tuple:
+        calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
+                      for c in m.get("tool_calls", []))
+        return m["role"], m["content"], calls, m.get("tool_call_id"), m.get("name")
+    return key(a) == key(b)
+
+
+@dataclass
+class ChatSession:
+    session_id: Hashable
+    delta: ChatDelta
+    max_total_tokens: int  # per segment: prompt + everything after it
+    segments: list[Trajectory] = field(default_factory=list)  # sealed
+    current: Trajectory | None = None
+    known: list[dict[str, Any]] = field(default_factory=list)  # the messages the current context holds
+    tools: list[Any] | None = None
+    pending: list[Reply] = field(default_factory=list)  # the last request's replies, not yet continued
+    requests: int = 0
+    discarded_replies: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def context_for(self, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None = None) -> list[int]:
+        """The exact ids to generate on for this request (see the module docstring)."""
+        if not messages:
+            raise RequestError("messages must hold at least one message", param="messages")
+        msgs = [template_message(m, i) for i, m in enumerate(messages)]
+        self.requests += 1
+        kwargs = {"tools": tools} if tools else {}
+        if self.current is not None and tools == self.tools:
+            n = len(self.known)
+            extends = len(msgs) > n + 1 and all(_same_message(a, b) for a, b in zip(msgs[:n], self.known))
+            for reply in self.pending if extends else []:
+                if _same_message(msgs[n], template_message(reply.message, n)):
+                    self._continue_with(reply)
+                    ids = self.delta.after_model_turn(reply.completion.token_ids, msgs[n + 1:], **kwargs)
+                    self._check_room(len(self.current) + len(ids))
+                    self.current.add_observation(ids)
+                    self.known = msgs
+                    return self.current.context()
+            if len(msgs) == n and all(_same_message(a, b) for a, b in zip(msgs, self.known)):
+                self.discarded_replies += len(self.pending)  # the same request again
+                self.pending = []
+                return self.current.context()
+        self._seal()
+        prompt = self.delta.prompt(msgs, **kwargs)
+        self._check_room(len(prompt))
+        self.current, self.known, self.tools = Trajectory(prompt), msgs, tools
+        return self.current.context()
+
+    def room(self) -> int:
+        """Tokens the current segment may still generate."""
+        return self.max_total_tokens - (len(self.current) if self.current is not None else 0)
+
+    def record(self, replies: list[Reply]) -> None:
+        self.pending = list(replies)
+
+    def finish(self) -> list[Trajectory]:
+        """Seal the session: its segments with model tokens, oldest first."""
+        self._seal()
+        return self.segments
+
+    def _check_room(self, length: int) -> None:
+        if length >= self.max_total_tokens:
+            raise RequestError(f"this session's context would be {length} tokens; its limit is "
+                               f"{self.max_total_tokens} (prompt and replies together), leaving no room to reply",
+                               code="context_length_exceeded", param="messages")
+
+    def _continue_with(self, reply: Reply) -> None:
+        self.current.add_model_turn(reply.completion)
+        self.discarded_replies += len(self.pending) - 1
+        self.pending = []
+
+    def _seal(self) -> None:
+        if self.current is None:
+            return
+        if self.pending:
+            self._continue_with(self.pending[0])
+        if any(self.current.policy_mask):
+            self.segments.append(self.current)
+        self.current, self.known, self.tools = None, [], None

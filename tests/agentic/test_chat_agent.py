@@ -1,0 +1,155 @@
+"""Black-box agents end to end in this process: the example agents (stock ``openai`` client) played
+by ``ChatAgentRunner`` on a real engine, their rewards and segments; a synchronous agent; agents
+that fail (raise, hang, never ask the model) get an ``AgentError`` naming them and the session."""
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlcore.agentic.chat_agent import AgentError, ChatAgentRunner, ChatAgentSpec, load_agent
+from rlcore.agentic.episode import to_dataproto
+from rlcore.algos.advantages import compute_grpo_outcome_advantage
+from rlcore.engines.async_hf import AsyncHFEngine
+from rlcore.engines.base import RolloutConfig, SamplingSettings
+from rlcore.models.config import ModelConfig
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
+SAMPLED = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6, n=1, do_sample=True)
+TASK = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
+
+AGENTS = '''
+import time
+import openai
+
+
+class SyncAgent:
+    """A plain def with the synchronous client: runs in a thread."""
+    def run(self, ctx):
+        client = openai.OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=30)
+        reply = client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        return float(len(reply.choices[0].message.content or "") > 0)
+
+
+class Raises:
+    async def run(self, ctx):
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        raise KeyError("tool crashed")
+
+
+class Hangs:
+    async def run(self, ctx):
+        import asyncio
+        await asyncio.sleep(60)
+
+
+class NeverAsks:
+    async def run(self, ctx):
+        return 1.0
+
+
+class ReturnsText:
+    async def run(self, ctx):
+        client = openai.AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0)
+        await client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        return "great"
+'''
+
+
+@pytest.fixture(scope="module")
+def agents_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("agents") / "agents.py"
+    path.write_text(AGENTS)
+    return path
+
+
+def play(model_dir, agent: str, tasks, size: int = 1, timeout_s: float = 60.0, **kwargs):
+    spec = ChatAgentSpec(agent, model_dir, SAMPLED, kwargs, max_total_tokens=128, episode_timeout_s=timeout_s)
+
+    async def scenario():
+        runner = ChatAgentRunner(spec, [AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())])
+        try:
+            return await asyncio.gather(*[runner.run_group(g, t, size) for g, t in enumerate(tasks)]), runner
+        finally:
+            await runner.close()
+
+    return asyncio.run(scenario())
+
+
+def test_the_retry_agent_plays_groups_and_its_rewards_follow_its_rule(model_dir, tok):
+    groups, runner = play(model_dir, f"{EXAMPLES}/arithmetic_chat.py:RetryAgent", [TASK, TASK], size=3)
+    segments = [t for g in groups for t in g]
+    assert len(segments) == 6 and runner.episodes_done == 6 and not runner.proxy.sessions
+    for t in segments:
+        replies = [tok.decode(ids, skip_special_tokens=True) for ids in _model_turns(t)]
+        right = [r.strip() == "5" for r in replies]
+        expected = 0.5 ** right.index(True) if any(right) else 0.0
+        assert t.reward == expected and t.turns == len(replies) <= 3
+        assert (not any(right[:-1])) and (len(replies) == 3 or right[-1])  # it stops at the first right answer
+        assert t.metrics["chat/segments"] == 1.0 and t.episode_id is not None
+    assert len({t.episode_id for t in segments}) == 6
+
+
+def _model_turns(traj):
+    turns, current = [], []
+    for token, own in zip(traj.token_ids, traj.policy_mask):
+        if own:
+            current.append(token)
+        elif current:
+            turns.append(current)
+            current = []
+    return turns + ([current] if current else [])
+
+
+def test_a_synchronous_agent_runs_in_a_thread(model_dir, agents_file):
+    groups, _ = play(model_dir, f"{agents_file}:SyncAgent", [TASK])
+    assert len(groups[0]) == 1 and groups[0][0].turns == 1
+
+
+@pytest.mark.parametrize("name, message", [
+    ("Raises", "raised KeyError: 'tool crashed' (session r0-g0-e0-"),
+    ("Hangs", "did not finish within 1s (session r0-g0-e0-"),
+    ("NeverAsks", "without a reply from the model"),
+    ("ReturnsText", "returned str for session"),
+])
+def test_failing_agents_are_agent_errors_naming_agent_and_session(model_dir, agents_file, name, message):
+    with pytest.raises(AgentError, match="agents.py:" + name) as err:
+        play(model_dir, f"{agents_file}:{name}", [TASK], timeout_s=1.0)
+    assert message in str(err.value)
+
+
+def test_bad_agent_paths_fail_when_the_spec_is_made(model_dir, agents_file):
+    with pytest.raises(FileNotFoundError, match="nowhere.py"):
+        ChatAgentSpec("nowhere.py:Agent", model_dir, SAMPLED)
+    with pytest.raises(ValueError, match="no class 'Missing'"):
+        load_agent(f"{agents_file}:Missing")
+    with pytest.raises(ValueError, match="file.py:ClassName"):
+        load_agent("no_colon")
+
+
+def test_grpo_counts_an_episode_of_several_segments_once():
+    # one group: episode A (two segments, reward 1), B and C (reward 0)
+    scores = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    rewards = torch.zeros(4, 3)
+    rewards[:, -1] = scores
+    mask = torch.ones(4, 3)
+    index = np.array(["g"] * 4, dtype=object)
+    adv, _ = compute_grpo_outcome_advantage(rewards, mask, index, episode_index=np.array(["A", "A", "B", "C"]))
+    mean, std = 1 / 3, np.std([1.0, 0.0, 0.0], ddof=1)  # over episodes: [1, 0, 0]
+    expected = [(s - mean) / (std + 1e-6) for s in [1.0, 1.0, 0.0, 0.0]]
+    assert adv[:, 0].tolist() == pytest.approx(expected, rel=1e-5)
+    plain, _ = compute_grpo_outcome_advantage(rewards, mask, index)  # rows: [1, 1, 0, 0] -> mean 0.5
+    assert plain[0, 0] == pytest.approx(0.5 / (np.std([1, 1, 0, 0], ddof=1) + 1e-6), rel=1e-5)
+
+
+def test_segments_become_training_rows_with_the_episode_column(model_dir, tok):
+    groups, _ = play(model_dir, f"{EXAMPLES}/arithmetic_chat.py:RetryAgent", [TASK], size=2)
+    segs = groups[0]
+    batch = to_dataproto(segs, tok.pad_token_id, 1.0, {"uid": np.array(["0"] * len(segs), dtype=object),
+                                                       "episode": np.array([t.episode_id for t in segs], dtype=object)})
+    for row, t in enumerate(segs):
+        mask = batch.batch["response_mask"][row].bool()
+        assert batch.batch["responses"][row][mask].tolist() == [x for x, m in zip(t.token_ids, t.policy_mask) if m]
