@@ -6,7 +6,9 @@ A reward function scores one decoded response against its ground truth:
 
 `extra` carries per-row fields (`prompt`, `data_source`, ...) and config options; a function
 ignores what it does not use. Built-in names equal the `data_source` of the datasets they score,
-so a batch that mixes sources can pick each row's function by its `data_source`.
+so a batch that mixes sources can pick each row's function by its `data_source`. `code` runs the
+response's program against test cases (rlcore.rewards.code_checks) in a sandbox
+(rlcore.rewards.sandbox).
 
 A config names a function either by a registered name ("gsm8k") or by a path:
 "package.module:function" or "/path/to/file.py:function", so a user's reward needs no change here.
@@ -17,8 +19,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rlcore.registry import Registry
 from rlcore.rewards.math_answers import (
@@ -28,6 +31,8 @@ from rlcore.rewards.math_answers import (
     extract_gsm8k_answer,
     extract_last_number,
 )
+from rlcore.rewards.code_checks import CodeScore, check_program, extract_program, parse_tests
+from rlcore.rewards.sandbox import SandboxLimits
 
 
 class RewardFn(Protocol):
@@ -116,3 +121,21 @@ def math_reward(response: str, ground_truth: str, *, format_score: float = 0.0,
         return 0.0
     truth = extract_boxed(ground_truth) or ground_truth
     return 1.0 if answers_equal(answer, truth) else format_score
+
+
+@register_reward_fn("code")
+def code_reward(response: str, ground_truth: Any, *, sandbox_limits: Mapping[str, float] | None = None,
+                budget_s: float | None = 8.0, **extra) -> CodeScore:
+    """The fraction of the row's tests that the response's program passes, run in a sandbox
+    (rlcore.rewards.sandbox); 0.0 when a run hits a limit or the isolation (a loop, a fork bomb, a huge
+    allocation, an output flood, network, a write outside its directory).
+
+    The program is the response's last ```python block (else its last fenced block, else all of it).
+    The ground truth is a JSON list of tests (see `parse_tests`); rlcore.data.code_tasks writes such
+    rows. A fraction rather than all-or-nothing, so a half-right function already earns a signal.
+    `sandbox_limits` overrides fields of `SandboxLimits` (e.g. {"wall_s": 2}); `budget_s` bounds all
+    runs of one row together and must stay below the manager's `timeout_s` (default 10 s). The
+    returned float's `.reason` says what happened; the manager keeps only the number.
+    """
+    limits = SandboxLimits(**sandbox_limits) if sandbox_limits else SandboxLimits()
+    return check_program(extract_program(response), parse_tests(ground_truth), limits, budget_s=budget_s)
