@@ -37,7 +37,7 @@ from rlcore.engines import RolloutConfig, SamplingSettings
 from rlcore.engines.server import engine_idle_metrics, start_engine_servers, stop_engine_servers
 from rlcore.models import ModelConfig
 from rlcore.rewards.manager import RuleRewardManager
-from rlcore.trainer.advantage import compute_advantage, compute_rewards
+from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers, init_ray
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
@@ -56,7 +56,8 @@ def train(cfg: DictConfig) -> TrainingRun:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     loader, val_batches = build_data(cfg, tokenizer)
     a, e = cfg.agentic, cfg.env
-    use_ref = cfg.actor.use_kl_loss
+    use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+    kl_ctrl = build_kl_controller(cfg.algorithm)  # with algorithm.use_kl_in_reward: the penalty's coefficient
     workers = build_workers(cfg, ["actor"] + (["ref"] if use_ref else []))
     init_ray(cfg)
     model_cfg, rollout_cfg = ModelConfig(**cfg.model), RolloutConfig(**OmegaConf.to_container(cfg.rollout))
@@ -73,7 +74,8 @@ def train(cfg: DictConfig) -> TrainingRun:
     def validate_on_engines() -> dict[str, float]:
         return validate(lambda prompts: generate_prompts(engines, prompts, rollout_cfg), val_batches, reward_fn)
 
-    with TrainingRun(cfg, workers, loader, validate_on_engines) as run:
+    state = {"kl_ctrl": kl_ctrl} if cfg.algorithm.use_kl_in_reward else {}
+    with TrainingRun(cfg, workers, loader, validate_on_engines, state) as run:
         run.on_close(lambda: stop_engine_servers(engines))
         run.on_close(lambda: stop_runners(runners))
         workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
@@ -90,11 +92,14 @@ def train(cfg: DictConfig) -> TrainingRun:
             metrics = episode_metrics(played, step - 1)
             if a.max_token_staleness is not None:
                 metrics.update(mask_stale_tokens(batch, step - 1, a.max_token_staleness))
+            if needs_old_log_prob(cfg):
+                with run.timer("old_log_prob"):
+                    batch.union(workers.actor.compute_log_prob(batch))
             if use_ref:
                 with run.timer("ref"):
                     batch.union(workers.ref.compute_ref_log_prob(batch))
             with run.timer("adv"):
-                compute_rewards(batch, cfg.algorithm, kl_ctrl=None)
+                metrics.update(compute_rewards(batch, cfg.algorithm, kl_ctrl))
                 compute_advantage(batch, cfg.algorithm)
             with run.timer("update_actor"):
                 metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))

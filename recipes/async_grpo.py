@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 
 from rlcore.agentic import AsyncRolloutLoop, ReplayBuffer
 from rlcore.rewards.manager import RuleRewardManager
-from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
+from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_rollout_group, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
@@ -60,7 +60,9 @@ def train(cfg: DictConfig) -> TrainingRun:
         with loop.paused():
             return validate(engine.rollout, val_batches, reward_fn)
 
-    with TrainingRun(cfg, workers, loader, validate_between_generations) as run:
+    kl_ctrl = build_kl_controller(cfg.algorithm)  # with algorithm.use_kl_in_reward: the penalty's coefficient
+    state = {"kl_ctrl": kl_ctrl} if cfg.algorithm.use_kl_in_reward else {}
+    with TrainingRun(cfg, workers, loader, validate_between_generations, state) as run:
         engine.rollout.update_weights(workers.actor.get_full_state_dict.options(blocking=False)())  # resumed ones
         prompts = (run.next_prompts() for _ in itertools.count())  # endless: the loader repeats the data
         run.on_close(engine.shutdown)
@@ -79,10 +81,10 @@ def train(cfg: DictConfig) -> TrainingRun:
                 with run.timer("ref"):
                     batch.union(workers.ref.compute_ref_log_prob(batch))
             with run.timer("adv"):
-                compute_rewards(batch, cfg.algorithm, kl_ctrl=None)
+                metrics = compute_rewards(batch, cfg.algorithm, kl_ctrl)
                 compute_advantage(batch, cfg.algorithm)
             with run.timer("update_actor"):
-                metrics = mean_over_ranks(workers.actor.update_policy(batch))
+                metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))
             with run.timer("sync_weights"):
                 loop.publish_weights(workers.actor.get_full_state_dict.options(blocking=False)(), version=step)
             metrics.update({"replay/staleness_mean": float(np.mean(staleness)),

@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from rlcore.rewards.manager import RuleRewardManager
-from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
+from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
@@ -44,7 +44,9 @@ def train(cfg: DictConfig) -> TrainingRun:
     use_old = needs_old_log_prob(cfg)  # not for a one-step update: its own log-probs are the old ones
     workers = build_workers(cfg, ["actor", "rollout"] + (["ref"] if use_ref else []))
     reward_fn = RuleRewardManager.from_config(cfg)
-    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn)) as run:
+    kl_ctrl = build_kl_controller(cfg.algorithm)  # with algorithm.use_kl_in_reward: the penalty's coefficient
+    state = {"kl_ctrl": kl_ctrl} if cfg.algorithm.use_kl_in_reward else {}
+    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn), state) as run:
         for step in run.steps():
             prompts = run.next_prompts()
             with run.timer("gen"):
@@ -58,10 +60,10 @@ def train(cfg: DictConfig) -> TrainingRun:
                 with run.timer("ref"):
                     batch.union(workers.ref.compute_ref_log_prob(batch))
             with run.timer("adv"):
-                compute_rewards(batch, cfg.algorithm, kl_ctrl=None)
+                metrics = compute_rewards(batch, cfg.algorithm, kl_ctrl)
                 compute_advantage(batch, cfg.algorithm)
             with run.timer("update_actor"):
-                metrics = mean_over_ranks(workers.actor.update_policy(batch))
+                metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))
             with run.timer("sync_weights"):
                 workers.rollout.sync_weights()
             run.end_step(step, {**metrics, **batch_metrics(batch)}, batch)

@@ -43,12 +43,11 @@ def merge_section(cls: type, given: Any, section: str) -> DictConfig:
     """``given`` (a mapping, or None for all defaults) merged over ``cls``'s defaults, typed."""
     if given is None:
         given = {}
-    if dataclasses.is_dataclass(given) and not isinstance(given, type):
-        given = OmegaConf.structured(given)
-    if not isinstance(given, (Mapping, DictConfig)):
+    instance = dataclasses.is_dataclass(given) and not isinstance(given, type)
+    if not instance and not isinstance(given, (Mapping, DictConfig)):
         raise ConfigError(f"config section {section!r} must be a mapping, got {type(given).__name__} {given!r}")
     try:
-        return OmegaConf.merge(section_schema(cls), given)
+        return OmegaConf.merge(section_schema(cls), OmegaConf.structured(given) if instance else given)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         reason = str(exc).splitlines()[0]  # OmegaConf appends full_key/object_type lines
@@ -56,9 +55,11 @@ def merge_section(cls: type, given: Any, section: str) -> DictConfig:
 
 
 def to_section(cls: type[T], given: Any, section: str) -> T:
-    """``given`` as an instance of ``cls`` (see the module docstring); already one: returned as is."""
+    """``given`` as an instance of ``cls`` (see the module docstring). An instance is checked too (against
+    its own class's fields): a dataclass built in Python keeps whatever it is given, and
+    ``ActorConfig(use_kl_loss="off")`` would otherwise reach a worker as a truthy string."""
     if isinstance(given, cls):
-        return given
+        cls = type(given)
     merged = merge_section(cls, given, section)
     try:
         return OmegaConf.to_object(merged)

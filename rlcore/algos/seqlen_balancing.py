@@ -77,13 +77,20 @@ def balanced_permutation(seq_lens: Sequence[int], k: int) -> list[int]:
     return [i for group in balance_partitions(seq_lens, k, equal_size=True) for i in group]
 
 
-def rearrange_micro_batches(seq_lens: Sequence[int], max_token_len: int) -> list[list[int]]:
+def rearrange_micro_batches(seq_lens: Sequence[int], max_token_len: int,
+                            num_micro_batches: int | None = None) -> list[list[int]]:
     """Pack indices into micro-batches whose token sums stay within `max_token_len`.
 
     First-fit decreasing: place the longest remaining item in the first micro-batch with room,
     opening a new one when none has. It uses few micro-batches (at most 11/9 of the optimum plus
     one), which is what dynamic batching wants: fewer forward passes at a bounded memory peak.
     Each micro-batch's indices are sorted ascending.
+
+    `num_micro_batches` asks for exactly that many (at least the packing's count, at most one per
+    item): data-parallel ranks must run the same number of forward passes, since each is a round
+    of FSDP collectives, so each rank packs its rows, they agree on the largest count, and a rank
+    that packed fewer splits its heaviest micro-batches in two until it has as many; a split never
+    exceeds the budget.
     """
     if max_token_len <= 0:
         raise ValueError(f"max_token_len must be positive, got {max_token_len}")
@@ -104,4 +111,15 @@ def rearrange_micro_batches(seq_lens: Sequence[int], max_token_len: int) -> list
         else:
             bins.append([i])
             loads.append(seq_lens[i])
+    if num_micro_batches is not None:
+        if not len(bins) <= num_micro_batches <= len(seq_lens):
+            raise ValueError(f"num_micro_batches={num_micro_batches} must be between the {len(bins)} micro-batches "
+                             f"the token budget needs and the {len(seq_lens)} items")
+        while len(bins) < num_micro_batches:
+            b = max((b for b in range(len(bins)) if len(bins[b]) > 1), key=lambda b: loads[b])
+            members = sorted(bins[b], key=lambda i: seq_lens[i], reverse=True)
+            bins[b], half = members[0::2], members[1::2]  # alternate: two halves of about equal tokens
+            bins.append(half)
+            loads[b] = sum(seq_lens[i] for i in bins[b])
+            loads.append(sum(seq_lens[i] for i in half))
     return [sorted(b) for b in bins]

@@ -62,6 +62,24 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
                      f"use .jsonl, .json (JSON lines) or .parquet")
 
 
+def check_answer(value: Any, key: str, path: str | Path, row: int) -> None:
+    """A ground truth a reward function can compare against: a non-empty string or a number (a
+    list of them for several right answers). Checked when the file is read, so a bad row is an
+    error naming it, not a crash deep in a reward function many steps into training."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if item is None or (isinstance(item, float) and item != item):
+            raise ValueError(f"{path} row {row}: {key!r} is null; every row needs a ground truth "
+                             f"(or set data.answer_key=null for reward-model scoring)")
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+            raise ValueError(f"{path} row {row}: {key!r} must be a string or a number (or a list of them), "
+                             f"got {type(item).__name__} {item!r}")
+        if isinstance(item, str) and not item.strip():
+            raise ValueError(f"{path} row {row}: {key!r} is an empty string")
+    if not items:
+        raise ValueError(f"{path} row {row}: {key!r} is an empty list")
+
+
 class PromptDataset(torch.utils.data.Dataset):
     """Tokenized prompts with their ground truths, read from one or more files.
 
@@ -109,6 +127,8 @@ class PromptDataset(torch.utils.data.Dataset):
                 if missing:
                     raise ValueError(f"column {missing[0]!r} missing in {path} (row {i}); "
                                      f"columns present: {columns}")
+                if answer_key:
+                    check_answer(row[answer_key], answer_key, path, i)
                 raw_prompts.append(self._render(row[prompt_key], path, i))
                 records.append({
                     "ground_truth": row[answer_key] if answer_key else None,
@@ -144,6 +164,8 @@ class PromptDataset(torch.utils.data.Dataset):
     def _render(self, prompt: Any, path: str | Path, row: int) -> str:
         """The exact text the policy sees: the prompt after the chat template (if any)."""
         if isinstance(prompt, str):
+            if not prompt.strip():
+                raise ValueError(f"{path} row {row}: the prompt is empty")
             if not self.use_chat_template:
                 return prompt
             prompt = [{"role": "user", "content": prompt}]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,14 @@ class ModelConfig:
         if not self.path:
             raise ValueError("model.path is required: a local HF model directory")
         return self.path
+
+    def require_local_dir(self) -> str:
+        """The path, checked to be a HF model directory on this machine: ``from_pretrained`` would take
+        a missing one for a Hub repo id and fail late, after network retries, with a message about the Hub."""
+        path = self.require_path()
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"not a local HF model directory: {path} (no config.json)")
+        return path
 
 
 @dataclass(frozen=True)

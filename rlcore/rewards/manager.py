@@ -37,8 +37,12 @@ the call kill the workers and raise ``RewardError`` at once. Forking costs milli
 each row a pipe round trip (1024 rows took 0.25 s on 2 busy cores, 0.1 s in-process).
 The known risk of ``fork`` in a multi-threaded parent (a lock held by another thread at fork time)
 concerns code that the child runs; rule functions are pure Python string work. ``num_workers=0``
-runs the functions in the calling process instead, one after another: handy under a debugger and
-where ``fork`` is missing, but ``timeout_s`` cannot be enforced there.
+(the recipes' default: no fork per step) runs the functions in the calling process instead, one
+after another, in a daemon thread the call waits on with the same per-row ``timeout_s``: a function
+that sleeps, waits or loops in Python fails the call (naming the row) instead of hanging the run.
+The thread cannot be killed, so it is abandoned (a daemon: it does not keep the process alive), and
+a C call that never releases the GIL (a catastrophic regex) still blocks the waiting thread too:
+only ``num_workers >= 1`` bounds that.
 
 Config: the ``reward`` section (``RewardConfig``) and ``model.path`` (the tokenizer's directory).
 """
@@ -50,6 +54,8 @@ import multiprocessing
 import numbers
 import os
 import pickle
+import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -76,7 +82,7 @@ class RewardConfig:
     #                               null: the function registered under each row's data_source
     reward_fn_by_source: dict[str, str] = field(default_factory=dict)  # data_source -> function; overrides reward_fn
     reward_kwargs: dict[str, Any] = field(default_factory=dict)  # keyword arguments of every call (e.g. format_score)
-    timeout_s: float = 10.0  # seconds one row may take before the call fails (num_workers >= 1)
+    timeout_s: float = 10.0  # seconds one row may take before the call fails
     num_workers: int | None = None  # forked scoring processes per call; null: min(8, CPUs); 0: in the calling process
     extra_keys: list[str] = field(default_factory=list)  # further non-tensor columns passed to the function by name
 RESPONSE_PREVIEW_CHARS = 200
@@ -176,7 +182,7 @@ class RuleRewardManager:
     @classmethod
     def from_config(cls, config: Mapping | Any) -> "RuleRewardManager":
         """Build from a recipe config (sections ``model`` and ``reward``, see the module docstring)."""
-        model_path = read_section(config, "model", ModelConfig).require_path()
+        model_path = read_section(config, "model", ModelConfig).require_local_dir()
         cfg = read_section(config, "reward", RewardConfig)
         return cls(
             AutoTokenizer.from_pretrained(model_path),
@@ -268,12 +274,28 @@ class RuleRewardManager:
 
     # ------------------------------------------------------------------ running the functions
     def _run_in_process(self, jobs: list[_Job], sources: np.ndarray, offset: int) -> list[float]:
+        """The rows one after another in a daemon thread; a row past ``timeout_s`` fails the call."""
+        results: queue.Queue = queue.Queue()
+
+        def work() -> None:
+            for job in jobs:
+                try:
+                    results.put((True, job.run()))
+                except Exception as exc:
+                    results.put((False, exc))
+                    return
+
+        threading.Thread(target=work, name="reward-scoring", daemon=True).start()
         scores = []
         for i, job in enumerate(jobs):
             try:
-                scores.append(job.run())
-            except Exception as exc:
-                raise _error(job, i + offset, sources[i], f"raised {type(exc).__name__}: {exc}") from exc
+                ok, value = results.get(timeout=self.timeout_s)  # the thread starts row i as row i-1 lands
+            except queue.Empty:
+                raise _error(job, i + offset, sources[i], f"did not return within timeout_s={self.timeout_s:g}s "
+                             "(num_workers=0: its thread is abandoned; num_workers >= 1 kills hung rows)") from None
+            if not ok:
+                raise _error(job, i + offset, sources[i], f"raised {type(value).__name__}: {value}") from value
+            scores.append(value)
         return scores
 
     def _run_forked(self, jobs: list[_Job], sources: np.ndarray, offset: int) -> list[float]:

@@ -3,9 +3,14 @@
 One placement group per node entry (STRICT_PACK keeps a node's ranks together). Before asking Ray,
 the pool checks that the cluster can ever satisfy the request: Ray itself would wait forever on an
 impossible placement group, which is how a GPU default hangs on a CPU box.
+
+Placement-group names carry a random suffix: Ray refuses a second group under a name that already
+exists, so two pools of the same prefix in one cluster (two runs, or a run and its tests) must differ.
 """
 
 from __future__ import annotations
+
+import uuid
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -34,6 +39,7 @@ class RayResourcePool:
         self.num_gpus_per_process = num_gpus_per_process if use_gpu else 0
         self.max_colocate_count = max_colocate_count
         self.name_prefix = name_prefix
+        self.pg_name_prefix = f"{name_prefix}_{uuid.uuid4().hex[:8]}"  # unique in the cluster (module docstring)
         self.ready_timeout_s = ready_timeout_s
         self._pgs: list | None = None
         self._groups: set[int] = set()
@@ -58,7 +64,7 @@ class RayResourcePool:
                 raise RuntimeError("ray is not initialized: call ray.init(...) before building a RayResourcePool's groups")
             self._check_feasible()
             pgs = [
-                placement_group([self.bundle()] * n, strategy="STRICT_PACK", name=f"{self.name_prefix}_node{i}")
+                placement_group([self.bundle()] * n, strategy="STRICT_PACK", name=f"{self.pg_name_prefix}_node{i}")
                 for i, n in enumerate(self.process_on_nodes)
             ]
             ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.ready_timeout_s)

@@ -8,7 +8,9 @@ and never sees role prefixes. ``trainer.backend`` picks where the ranks live:
 
 - ``ray``: a ``RayResourcePool`` of ``trainer.nnodes x trainer.procs_per_node`` bundles (each
   ``trainer.cpus_per_proc`` CPUs, plus one GPU with ``trainer.device=cuda``), one Ray actor per rank.
-  A local Ray instance is started when none is running (``trainer.ray_num_cpus`` CPUs).
+  The cluster is the one at ``trainer.ray_address`` (or ``RAY_ADDRESS``), else a local Ray instance
+  this run starts (``trainer.ray_num_cpus`` CPUs). A given address must accept a TCP connection
+  within ``trainer.ray_connect_timeout_s``: ``ray.init`` itself retries a dead one for ever.
 - ``local``: one rank in this process (notebooks, debugging, machines without Ray), with
   ``trainer.cpus_per_proc`` torch threads, as a Ray rank would have.
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,12 +85,35 @@ def _role_class(role: str, config: dict, classes: Mapping[str, type]) -> ClassWi
 
 
 def init_ray(cfg: DictConfig) -> None:
-    """Start a local Ray instance unless this process is already connected to one."""
+    """Connect to the cluster of ``trainer.ray_address`` / ``RAY_ADDRESS`` once it is known to answer,
+    or start a local Ray instance; nothing when this process is already connected."""
     import ray  # optional dependency: trainer.backend=local runs without it (the GPU check machine has none)
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=cfg.trainer.ray_num_cpus, include_dashboard=False, configure_logging=False,
-                 runtime_env={"env_vars": WORKER_ENV})  # set before any import in the worker processes
+    if ray.is_initialized():
+        return
+    t = cfg.trainer
+    address = t.ray_address or os.environ.get("RAY_ADDRESS")
+    options = {"include_dashboard": False, "configure_logging": False,
+               "runtime_env": {"env_vars": WORKER_ENV}}  # set before any import in the worker processes
+    if address and address != "local":
+        check_reachable(address, t.ray_connect_timeout_s,
+                        "trainer.ray_address" if t.ray_address else "the RAY_ADDRESS environment variable")
+        ray.init(address=address, **options)
+    else:
+        ray.init(address=address, num_cpus=t.ray_num_cpus, **options)
+
+
+def check_reachable(address: str, timeout_s: float, source: str) -> None:
+    """Fail unless ``[scheme://]host:port`` accepts a TCP connection within ``timeout_s`` (an address
+    without a port, such as "auto", is left to Ray)."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ConnectionError(f"no Ray cluster answers at {address} (from {source}) within {timeout_s:g}s: {exc}. "
+                              "Start it (ray start --head) or unset the address to run a local instance") from None
 
 
 def resolve_device(name: str) -> str:

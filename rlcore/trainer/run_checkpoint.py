@@ -53,9 +53,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def _atomic_write(path: Path, write: Any) -> None:
+    """``write(tmp)`` then rename to ``path``. A failure leaves no partial file and names the file and the
+    cause: torch's own message ("unexpected pos ...", "file write failed") names neither."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise OSError(f"writing checkpoint {path} failed: {type(exc).__name__}: {exc} (disk full?)") from exc
 
 
 def save_run_state(ckpt_dir: str | Path, step: int, state: dict[str, Any]) -> Path:

@@ -57,7 +57,7 @@ class RewardModelWorker(Worker):
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, seed=0)
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.path, num_labels=1, dtype=torch_dtype(model_cfg.dtype)
+            model_cfg.require_local_dir(), num_labels=1, dtype=torch_dtype(model_cfg.dtype)
         )
         if not isinstance(getattr(model, "score", None), torch.nn.Linear):
             raise ValueError(f"{type(model).__name__} has no linear `score` head: expected a decoder reward model")
@@ -82,5 +82,6 @@ class RewardModelWorker(Worker):
             token_scores[rows, response_len[rows] - 1] = scores[rows]
             return {"rm_scores": scores, "token_level_scores": token_scores}
 
-        indices = micro_batch_indices(data, cfg.micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.max_token_len_per_gpu)
+        indices = micro_batch_indices(data, cfg.micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.max_token_len_per_gpu,
+                                      self.device)
         return DataProto.from_dict(forward_micro_batches(self.module, data, indices, self.device, step))

@@ -77,6 +77,29 @@ def test_missing_column_names_column_file_and_present_columns(tmp_path, plain_to
     assert len(PromptDataset(g, plain_tok, extra_keys=())) == 1
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "1+2=", "answer": None}, "row 1: 'answer' is null"),
+    ({"prompt": "1+2=", "answer": float("nan")}, "row 1: 'answer' is null"),
+    ({"prompt": "1+2=", "answer": "  "}, "row 1: 'answer' is an empty string"),
+    ({"prompt": "1+2=", "answer": {"x": 1}}, "row 1: 'answer' must be a string or a number"),
+    ({"prompt": "1+2=", "answer": True}, "row 1: 'answer' must be a string or a number"),
+    ({"prompt": "1+2=", "answer": []}, "row 1: 'answer' is an empty list"),
+    ({"prompt": "", "answer": "3"}, "row 1: the prompt is empty"),
+    ({"prompt": None, "answer": "3"}, "row 1: prompt must be a string or a list"),
+])
+def test_bad_rows_fail_when_read_naming_file_and_row(tmp_path, plain_tok, row, message):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=message) as err:
+        PromptDataset(f, plain_tok, extra_keys=())
+    assert "d.jsonl" in str(err.value)
+
+
+def test_numbers_and_lists_of_answers_are_fine(tmp_path, plain_tok):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "1+2=", "answer": 3}, {"prompt": "a", "answer": ["x", "y"]}])
+    assert [r["ground_truth"] for r in PromptDataset(f, plain_tok, extra_keys=())] == [3, ["x", "y"]]
+
+
 def test_overlong_prompts_filtered_and_counted_or_raise(tmp_path, plain_tok, caplog):
     f = write_jsonl(tmp_path / "d.jsonl", [
         {"prompt": "1", "answer": "1", "data_source": "a"},

@@ -3,6 +3,7 @@ failures that name the row. The same manager as a worker group: tests/workers/te
 
 import math
 import multiprocessing
+import threading
 import time
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from rlcore.models.tiny import build_char_tokenizer, build_tiny_model
 from rlcore.protocol import DataProto
 from rlcore.rewards import RewardConfig, RewardError, RuleRewardManager, reward_metrics
-from rlcore.rewards.registry import arithmetic_reward
+from rlcore.rewards.registry import arithmetic_reward, register_reward_fn
 from rlcore.typed_config import ConfigError, read_section
 
 TOK = build_char_tokenizer()
@@ -193,6 +194,28 @@ def test_a_hanging_function_fails_the_call_within_the_timeout():
         manager(data)
     assert time.monotonic() - start < 4
     assert multiprocessing.active_children() == []  # the hung worker was killed, not leaked
+    ok = response_batch([ids("1")], ["1"], ["a"])
+    assert torch.equal(manager(ok).batch["reward_scores"], torch.tensor([0.5]))  # the manager is still usable
+
+
+@register_reward_fn("test_sleeps_forever")
+def sleeps_forever(response, ground_truth, **extra):
+    if ground_truth == "hang":
+        threading.Event().wait()  # never set: a reward function that never returns
+    return 0.5
+
+
+@pytest.mark.timeout(60)  # without the bound it would hang here
+def test_a_hanging_function_in_process_fails_within_the_timeout(tiny_model_dir):
+    """num_workers=0 (the recipes' default) scores in the driver: still bounded by reward.timeout_s."""
+    manager = RuleRewardManager.from_config({"model": {"path": tiny_model_dir}, "reward": {
+        "reward_fn": "test_sleeps_forever", "timeout_s": 1, "num_workers": 0}})
+    data = response_batch([ids("1"), ids("2"), ids("3")], ["1", "hang", "3"], ["a", "b", "c"])
+    start = time.monotonic()
+    with pytest.raises(RewardError, match=r"'test_sleeps_forever' did not return within timeout_s=1s .*num_workers=0"
+                                          r".* on sample 1 \(data_source='b'\)"):
+        manager(data)
+    assert time.monotonic() - start < 4
     ok = response_batch([ids("1")], ["1"], ["a"])
     assert torch.equal(manager(ok).batch["reward_scores"], torch.tensor([0.5]))  # the manager is still usable
 

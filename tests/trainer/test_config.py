@@ -13,8 +13,9 @@ from omegaconf.errors import ConfigAttributeError
 
 import recipes.grpo  # registers grpo_schema
 from rlcore.engines.base import RolloutConfig
+from rlcore.models.config import ModelConfig
 from rlcore.trainer.config import SECTIONS as ALL_SECTIONS
-from rlcore.trainer.config import ConfigError, load_config, register_schema
+from rlcore.trainer.config import ConfigError, load_config, register_schema, to_plain
 from rlcore.typed_config import read_section
 from rlcore.workers.config import ActorConfig
 
@@ -142,3 +143,64 @@ def test_the_grpo_recipe_yaml_refuses_bad_overrides_by_name():
             compose("grpo", overrides=["actor.lrr=1"])
         with pytest.raises(ConfigCompositionException, match=r"actor\.lr"):
             compose("grpo", overrides=["actor.lr=abc"])
+
+
+def test_boolean_words_on_the_command_line_reach_the_workers_as_false():
+    """rollout.do_sample=no and actor.use_kl_loss=off: false in the loaded config, in what the workers get,
+    and in a section a script built as a dataclass by hand (which keeps any value until read)."""
+    with initialize_config_dir(config_dir=str(RECIPE_CONFIGS), version_base=None):
+        cfg = compose("grpo", overrides=["rollout.do_sample=no", "actor.use_kl_loss=off"])
+        with pytest.raises(ConfigCompositionException, match=r"rollout\.do_sample"):
+            compose("grpo", overrides=["rollout.do_sample=maybe"])
+    loaded = load_config(cfg, recipes.grpo.SECTIONS)
+    assert loaded.rollout.do_sample is False and loaded.actor.use_kl_loss is False
+    plain = to_plain(loaded)
+    assert read_section(plain, "rollout", RolloutConfig).do_sample is False
+    assert read_section(plain, "actor", ActorConfig).use_kl_loss is False
+    by_hand = {"rollout": RolloutConfig(do_sample="no"), "actor": ActorConfig(use_kl_loss="off")}
+    assert read_section(by_hand, "rollout", RolloutConfig).do_sample is False
+    assert read_section(by_hand, "actor", ActorConfig).use_kl_loss is False
+    with pytest.raises(ConfigError, match=r"config key actor\.use_kl_loss: .*'maybe'"):
+        read_section({"actor": ActorConfig(use_kl_loss="maybe")}, "actor", ActorConfig)
+
+
+def test_a_model_path_that_is_not_a_local_model_directory_fails_at_load_time(tmp_path, monkeypatch):
+    missing = tmp_path / "no_such_model"
+    with pytest.raises(ConfigError, match=rf"model.path: not a local HF model directory: {missing} \(no config.json\)"):
+        load_config({"model": {"path": str(missing)}}, SECTIONS)
+    with pytest.raises(FileNotFoundError, match="not a local HF model directory"):  # what the workers check
+        ModelConfig(path=str(tmp_path)).require_local_dir()
+    (tmp_path / "config.json").write_text("{}")
+    assert load_config({"model": {"path": str(tmp_path)}}, SECTIONS).model.path == str(tmp_path)
+    monkeypatch.setattr(recipes.grpo, "AutoTokenizer", None)  # any tokenizer (or Hub) lookup would fail otherwise
+    with initialize_config_dir(config_dir=str(RECIPE_CONFIGS), version_base=None):
+        cfg = compose("grpo", overrides=[f"model.path={missing}"])
+    with pytest.raises(ConfigError, match="not a local HF model directory"):
+        recipes.grpo.train(cfg)
+
+
+@pytest.mark.parametrize("given, named", [
+    ({"trainer": {"procs_per_node": 4}, "data": {"train_batch_size": 6}},
+     r"data.train_batch_size=6 prompts do not split evenly over 4 ranks \(trainer.nnodes=1 x trainer.procs_per_node=4"),
+    ({"trainer": {"nnodes": 2, "procs_per_node": 2}, "data": {"train_batch_size": 8}, "actor": {"ppo_mini_batch_size": 6}},
+     r"actor.ppo_mini_batch_size=6 rows do not split evenly over 4 ranks \(trainer.nnodes=2"),
+    ({"data": {"train_batch_size": 8}, "rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 12}},
+     r"actor.ppo_mini_batch_size=12 does not divide the 16 rows of a step \(data.train_batch_size=8 x rollout.n\)"),
+    ({"actor": {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 100}, "rollout": {"max_new_tokens": 64}},
+     r"actor.ppo_max_token_len_per_gpu=100 is below the longest possible sequence \(128 tokens"),
+])
+def test_batch_sizes_that_cannot_split_over_the_ranks_fail_at_load_time(given, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(given, SECTIONS)
+
+
+def test_a_batch_that_does_not_split_fails_before_the_workers_are_built(monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("reached a warm start or built workers")
+
+    monkeypatch.setattr(recipes.grpo, "warm_start", never)
+    monkeypatch.setattr(recipes.grpo, "build_workers", never)
+    with initialize_config_dir(config_dir=str(RECIPE_CONFIGS), version_base=None):
+        cfg = compose("grpo", overrides=["trainer.procs_per_node=3"])  # 64 prompts over 3 ranks
+    with pytest.raises(ConfigError, match=r"data.train_batch_size=64 .* trainer.procs_per_node=3"):
+        recipes.grpo.train(cfg)

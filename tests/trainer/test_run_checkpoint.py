@@ -1,9 +1,15 @@
+import errno
 import random
 
 import numpy as np
 import pytest
 import torch
 
+from rlcore.models.tiny import build_tiny_model
+from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
+from rlcore.trainer.builder import Workers
+from rlcore.trainer.config import load_config
+from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.run_checkpoint import (
     capture_rng_state,
     find_latest_checkpoint,
@@ -13,6 +19,7 @@ from rlcore.trainer.run_checkpoint import (
     restore_rng_state,
     save_run_state,
 )
+from rlcore.workers.actor import ActorWorker
 
 
 def draws():
@@ -85,3 +92,58 @@ def test_prune_keeps_newest_complete_checkpoints(tmp_path):
     assert prune_checkpoints(tmp_path, keep_last=2) == []
     with pytest.raises(ValueError, match="keep_last"):
         prune_checkpoints(tmp_path, keep_last=0)
+
+
+def torch_stream_failure(*args, **kwargs):
+    raise RuntimeError("[enforce fail at inline_container.cc:603] . unexpected pos 4544 vs 4438")
+
+
+def test_a_failed_driver_state_write_names_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    save_run_state(tmp_path, 2, {"loader": 2})
+    monkeypatch.setattr(torch, "save", torch_stream_failure)
+    target = tmp_path / "global_step_4" / "trainer_state.pt"
+    with pytest.raises(OSError, match=rf"writing checkpoint {target} failed: RuntimeError: .*unexpected pos 4544 "
+                                      r"vs 4438 \(disk full\?\)"):
+        save_run_state(tmp_path, 4, {"loader": 4})
+    monkeypatch.undo()
+    assert list((tmp_path / "global_step_4").iterdir()) == []  # no partial file
+    assert (tmp_path / "latest_checkpointed_step.txt").read_text() == "2\n"
+    assert find_latest_checkpoint(tmp_path) == (2, tmp_path / "global_step_2")
+    assert load_run_state(tmp_path / "global_step_2")["loader"] == 2
+
+
+class Loader:
+    def __iter__(self):
+        return iter(())
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_full_disk_during_a_worker_save_names_the_file_and_resume_takes_the_previous_one(tmp_path, monkeypatch):
+    model = build_tiny_model(tmp_path / "model", hidden_size=32, num_heads=2, num_kv_heads=1)
+
+    def run(**trainer) -> TrainingRun:
+        cfg = load_config({"model": {"path": model}, "trainer": {"output_dir": str(tmp_path), "loggers": ["jsonl"],
+                                                                  "backend": "local", **trainer}}, ["model", "trainer"])
+        group = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, {"model": {"path": model}}))
+        group.init_model()
+        return TrainingRun(cfg, Workers(group=group, actor=group), Loader(), validate=dict)
+
+    with run() as first:
+        first.save(1)
+
+        def full_disk(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(torch, "save", full_disk)
+        with pytest.raises(Exception, match=r"writing checkpoint \S*global_step_2/actor\S* failed: .*No space left "
+                                            r"on device.*\(disk full\?\)"):
+            first.save(2)
+        monkeypatch.undo()
+    assert find_latest_checkpoint(first.ckpt_dir)[0] == 1
+    with run(resume="auto") as resumed:
+        assert resumed.start_step == 1
