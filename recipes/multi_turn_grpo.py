@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from rlcore.agentic import EnvEpisodes
 from rlcore.protocol import DataProto
 from rlcore.rewards.manager import RuleRewardManager
-from rlcore.trainer.advantage import compute_advantage, compute_rewards, needs_old_log_prob
+from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
@@ -36,11 +36,13 @@ register_schema("multi_turn_grpo_schema", SECTIONS)
 
 
 def episode_tasks(prompts: DataProto, cfg: DictConfig) -> DataProto:
-    """A batch of prompts as rollout.n episode tasks each (adjacent, sharing the prompt's uid)."""
+    """A batch of prompts as rollout.n episode tasks each (adjacent, sharing the prompt's uid), with the
+    batch's sampling seed (each turn's engine call derives its own from it)."""
     columns = prompts.non_tensor_batch
     tasks = np.array([{"prompt": p, "answer": a} for p, a in zip(columns["raw_prompt"], columns["ground_truth"])],
                      dtype=object)
-    return DataProto.from_dict(non_tensors={"task": tasks, "uid": columns["uid"]}).repeat(cfg.rollout.n, interleave=True)
+    return DataProto.from_dict(non_tensors={"task": tasks, "uid": columns["uid"]},
+                               meta_info={"seed": prompts.meta_info.get("seed")}).repeat(cfg.rollout.n, interleave=True)
 
 
 def train(cfg: DictConfig) -> TrainingRun:
@@ -55,7 +57,9 @@ def train(cfg: DictConfig) -> TrainingRun:
     reward_fn = RuleRewardManager.from_config(cfg)  # for the single-turn validation
     episodes = EnvEpisodes(cfg.env.name, OmegaConf.to_container(cfg.env.kwargs), cfg.env.max_turns,
                            cfg.env.max_total_tokens)  # played on the rollout ranks
-    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn)) as run:
+    kl_ctrl = build_kl_controller(cfg.algorithm)  # with algorithm.use_kl_in_reward: the penalty's coefficient
+    state = {"kl_ctrl": kl_ctrl} if cfg.algorithm.use_kl_in_reward else {}
+    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn), state) as run:
         for step in run.steps():
             tasks = episode_tasks(run.next_prompts(), cfg)
             with run.timer("gen"):
@@ -67,10 +71,10 @@ def train(cfg: DictConfig) -> TrainingRun:
                 with run.timer("ref"):
                     batch.union(workers.ref.compute_ref_log_prob(batch))
             with run.timer("adv"):
-                compute_rewards(batch, cfg.algorithm, kl_ctrl=None)
+                metrics = compute_rewards(batch, cfg.algorithm, kl_ctrl)
                 compute_advantage(batch, cfg.algorithm)
             with run.timer("update_actor"):
-                metrics = mean_over_ranks(workers.actor.update_policy(batch))
+                metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))
             with run.timer("sync_weights"):
                 workers.rollout.sync_weights()
             turns = batch.non_tensor_batch["num_turns"]

@@ -10,6 +10,10 @@ the first k tokens do not depend on how many follow).
 
 Weight updates wait for the call in flight, then copy the buckets' tensors into the parameters
 (names checked); HF responses therefore always come from one version, ``in_flight`` or not.
+
+Seeds: ``sampling.seed`` is dropped (requests of several seeds batch together) and calls sample
+from the engine's stream: which requests share a call depends on timing, so a per-call seed would
+not make an asynchronous run repeatable.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class AsyncHFEngine(AsyncEngine):
                 batch.append(self._queue.get_nowait())
             groups: dict[SamplingSettings, list[_Request]] = {}
             for request in batch:
-                key = dataclasses.replace(request.sampling, max_new_tokens=1)
+                key = dataclasses.replace(request.sampling, max_new_tokens=1, seed=None)
                 groups.setdefault(key, []).append(request)
             self._idle.clear()
             try:
@@ -112,7 +116,8 @@ class AsyncHFEngine(AsyncEngine):
             ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
             mask[row, width - len(r.prompt_ids):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        settings = dataclasses.replace(live[0].sampling, max_new_tokens=max(r.sampling.max_new_tokens for r in live))
+        settings = dataclasses.replace(live[0].sampling, max_new_tokens=max(r.sampling.max_new_tokens for r in live),
+                                       seed=None)
         version, start = self.policy_version, time.perf_counter()
         try:
             gen = await asyncio.to_thread(self.engine.generate, ids, mask, positions, settings)

@@ -16,6 +16,10 @@ their KV cache is recomputed with the new weights after the swap, ``clear_cache=
 ``collective_rpc`` on ``rlcore.engines.vllm_worker.BucketLoader``) to map it and reload those
 weights in place; a bucket is whole layers (``rlcore.engines.weights``), which vLLM's layerwise
 reload needs. ``finish_update`` sets the version, resets the prefix cache, and resumes.
+
+Seeds: ``sampling.seed`` is ignored; requests sample from vLLM's own stream (seeded with
+``rollout.seed + rank``). One request is one row, and which rows a seed would reach depends on
+arrival order and on weight swaps mid-request, so an asynchronous run is not repeatable anyway.
 """
 
 from __future__ import annotations

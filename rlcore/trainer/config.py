@@ -38,7 +38,7 @@ from rlcore.typed_config import ConfigError, merge_section, section_schema, to_s
 from rlcore.workers.config import ActorConfig, CriticConfig
 from rlcore.workers.reward_model import RewardModelConfig
 
-__all__ = ["ConfigError", "SECTIONS", "load_config", "register_schema", "to_plain"]
+__all__ = ["ConfigError", "SECTIONS", "check_batch_split", "load_config", "register_schema", "to_plain"]
 
 
 @dataclass
@@ -51,17 +51,21 @@ class TrainerConfig:
     procs_per_node: int = 1  # ranks per node (one per GPU on GPU machines); "local" needs 1
     cpus_per_proc: float = 1.0  # CPUs Ray reserves per rank (also its torch thread count)
     ray_num_cpus: int | None = None  # CPUs of a Ray instance this run starts; None: all cores
+    ray_address: str | None = None  # host:port of a running cluster's GCS; None: RAY_ADDRESS, else a local instance
+    ray_connect_timeout_s: float = 30.0  # that address must accept a connection this soon, else the run fails
     total_steps: int = 100  # training steps (one batch of prompts each)
     val_freq: int = 10  # validate every N steps and after the last; 0: never
     val_before_train: bool = True  # validate the starting model (step 0)
     save_freq: int = 0  # checkpoint every N steps; 0: never
     max_ckpt_to_keep: int | None = None  # prune older checkpoints; None: keep all
     resume: str = "disable"  # "disable", "auto" (the latest complete checkpoint) or a step folder
+    overwrite: bool = False  # start afresh in a run folder that holds another run, deleting its records
     output_dir: str = "outputs"  # runs go to <output_dir>/<project>/<run_name>
     project: str = "rlcore"
     run_name: str = "default"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
-    seed: int = 1  # driver RNG (python, numpy, torch)
+    seed: int = 1  # driver RNG (python, numpy, torch), and each prompt batch's sampling seed (from seed, batch index)
+    deterministic: bool = False  # torch's deterministic algorithms in driver and workers (+ cuBLAS / vLLM settings on GPU)
 
     def __post_init__(self) -> None:
         for key, allowed in (("backend", ("ray", "local")), ("device", ("cpu", "cuda", "auto"))):
@@ -70,8 +74,12 @@ class TrainerConfig:
         for key in ("nnodes", "procs_per_node", "total_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
-        if self.cpus_per_proc <= 0:
-            raise ValueError(f"trainer.cpus_per_proc must be > 0, got {self.cpus_per_proc}")
+        if self.overwrite and self.resume != "disable":
+            raise ValueError(f"trainer.overwrite=true replaces the run in the folder, trainer.resume={self.resume!r} "
+                             "continues it: set one of them")
+        for key in ("cpus_per_proc", "ray_connect_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"trainer.{key} must be > 0, got {getattr(self, key)}")
         if self.backend == "local" and self.nnodes * self.procs_per_node != 1:
             raise ValueError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
                              "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
@@ -257,7 +265,46 @@ def load_config(cfg: DictConfig | Mapping, sections: Sequence[str]) -> DictConfi
         to_section(SECTIONS[name], merged[name], name)  # the dataclass's own checks (ranges, choices)
     out = OmegaConf.create(merged)
     OmegaConf.set_struct(out, True)
+    if "model" in sections and out.model.path is not None:
+        try:
+            ModelConfig(path=out.model.path).require_local_dir()
+        except FileNotFoundError as exc:
+            raise ConfigError(f"model.path: {exc}") from None
+    if {"trainer", "data"} <= set(sections):
+        check_batch_split(out)
     return out
+
+
+def check_batch_split(cfg: DictConfig) -> None:
+    """Batch sizes that cannot be split as the run needs, refused now rather than at the first dispatch
+    or update, after the workers (and maybe a warm start) were built. A step's prompts are split over
+    the ranks, its rows (``data.train_batch_size x rollout.n``) into ``ppo_mini_batch_size`` global
+    rows per optimizer step, each split over the ranks; with ``use_dynamic_bsz`` the longest possible
+    sequence must fit one micro-batch's token budget."""
+    t, d = cfg.trainer, cfg.data
+    ranks = t.nnodes * t.procs_per_node
+    over = f"{ranks} ranks (trainer.nnodes={t.nnodes} x trainer.procs_per_node={t.procs_per_node})"
+    if d.train_batch_size % ranks:
+        raise ConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split evenly over {over}")
+    rows = d.train_batch_size * (cfg.rollout.n if "rollout" in cfg else 1)
+    longest = None
+    if "rollout" in cfg:
+        longest = cfg.env.max_total_tokens if "env" in cfg else d.max_prompt_length + cfg.rollout.max_new_tokens
+    for role in ("actor", "critic"):
+        if role not in cfg:
+            continue
+        c = cfg[role]
+        mini = c.ppo_mini_batch_size
+        if mini is not None and mini % ranks:
+            raise ConfigError(f"{role}.ppo_mini_batch_size={mini} rows do not split evenly over {over}")
+        # online DPO trains on a varying number of (chosen, rejected) pairs, not on every sampled row
+        if mini is not None and rows % mini and cfg[role].get("policy_loss") != "dpo":
+            raise ConfigError(f"{role}.ppo_mini_batch_size={mini} does not divide the {rows} rows of a step "
+                              f"(data.train_batch_size={d.train_batch_size} x rollout.n)")
+        if c.use_dynamic_bsz and longest is not None and longest > c.ppo_max_token_len_per_gpu:
+            raise ConfigError(f"{role}.ppo_max_token_len_per_gpu={c.ppo_max_token_len_per_gpu} is below the longest "
+                              f"possible sequence ({longest} tokens: data.max_prompt_length + rollout.max_new_tokens, "
+                              f"or env.max_total_tokens) with {role}.use_dynamic_bsz=true")
 
 
 def to_plain(cfg: DictConfig) -> dict[str, Any]:

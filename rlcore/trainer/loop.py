@@ -5,11 +5,19 @@ It owns the run folder ``<trainer.output_dir>/<trainer.project>/<trainer.run_nam
     metrics.jsonl      one JSON object per logged step (the record plots are made from)
     tensorboard/       the same scalars for TensorBoard
     checkpoints/       global_step_N/{actor,critic}/ (worker state) + trainer_state.pt (driver state)
+    run.lock           held (``flock``) for the run's life; holds its pid
+
+A folder is one run's. A second live run in it fails at once, naming the holder's pid (the lock
+goes with the process, however it ends). A folder holding an earlier run's records is refused too,
+since new rows would be appended to the old ones, unless ``trainer.resume`` continues that run or
+``trainer.overwrite=true`` deletes its records first.
 
 and does, around the recipe's own work:
-- seeding the driver (``trainer.seed``) and, with ``trainer.resume``, restoring a checkpoint: worker
-  weights and optimizers, the rollout's copy of the weights, the loader position, the driver's RNG
-  and every object the recipe registered in ``state`` (e.g. a KL controller). Rows an interrupted
+- seeding the driver (``trainer.seed``; ``trainer.deterministic``: torch's deterministic algorithms)
+  and each prompt batch's sampling (``meta_info["seed"]``, from the seed and the batch's index, so a
+  resumed run samples what an uninterrupted one did) and, with ``trainer.resume``, restoring a
+  checkpoint: worker weights and optimizers, the rollout's copy of the weights, the loader position,
+  the driver's RNG and every object the recipe registered in ``state`` (e.g. a KL controller). Rows an interrupted
   run logged after that checkpoint are dropped from metrics.jsonl, since those steps run again;
 - validation before training, every ``trainer.val_freq`` steps and after the last step;
 - per-step timing (``timing_s/<stage>`` from ``with run.timer("stage")``), tokens per second, and a
@@ -22,17 +30,21 @@ and does, around the recipe's own work:
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import random
+import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
 from rlcore.data.dataset import PromptLoader
+from rlcore.engines.seeding import derive_seed, set_deterministic
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
 from rlcore.trainer.run_checkpoint import (
@@ -51,6 +63,42 @@ CONSOLE_KEYS = (
 )
 
 
+LOCK_FILE = "run.lock"
+RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints")  # what a run leaves in its folder
+
+
+class RunFolderError(RuntimeError):
+    """The run folder is in use by a live run, or holds another run's records."""
+
+
+def claim_run_folder(folder: Path, resume: str, overwrite: bool) -> IO:
+    """Lock ``folder`` for this run and check it holds no other run (module docstring). Returns the
+    open lock file: closing it (or the process ending) releases the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise RunFolderError(f"run folder {folder} is in use by a live run (pid {holder}): two runs cannot share "
+                             "a folder; give this one another trainer.run_name") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    found = [name for name in RUN_RECORDS if (folder / name).exists()]
+    if found and resume == "disable":
+        if not overwrite:
+            lock.close()
+            raise RunFolderError(f"run folder {folder} holds another run ({', '.join(found)}): set trainer.resume=auto "
+                                 "to continue it, trainer.overwrite=true to replace it, or another trainer.run_name")
+        for name in found:
+            path = folder / name
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return lock
+
+
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
@@ -67,19 +115,34 @@ class TrainingRun:
         self.ckpt_dir = self.dir / "checkpoints"
         self.timer = Timer()
         self.last_val: dict[str, float] = {}
+        self._teardown = contextlib.ExitStack()
+        try:
+            lock = claim_run_folder(self.dir, t.resume, t.overwrite)
+        except BaseException:
+            workers.shutdown()
+            raise
+        self._teardown.callback(lock.close)  # released last
+        self._teardown.callback(workers.shutdown)
+        try:
+            self._start(t)
+        except BaseException:
+            self.close()
+            raise
+        self._batches = iter(loader)
+        self._step_start = time.perf_counter()
+
+    def _start(self, t: DictConfig) -> None:
         random.seed(t.seed)
         np.random.seed(t.seed)
         torch.manual_seed(t.seed)
+        # The driver's own process (in-process workers live here too); the device only decides the CUDA settings.
+        set_deterministic(t.deterministic, "cuda" if torch.cuda.is_available() else "cpu")
         self.start_step = self._resume()
-        if self.start_step:
-            truncate_jsonl_after(self.dir / "metrics.jsonl", self.start_step)
-        self._teardown = contextlib.ExitStack()
-        self._teardown.callback(workers.shutdown)
-        self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir, config=cfg,
-                               total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
+        # Rows logged after the checkpoint (all of them when starting from step 0) are logged again.
+        truncate_jsonl_after(self.dir / "metrics.jsonl", self.start_step if self.start_step else -1)
+        self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir,
+                               config=self.cfg, total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
         self._teardown.callback(self.tracker.close)
-        self._batches = iter(loader)
-        self._step_start = time.perf_counter()
 
     # ------------------------------------------------------------------ the loop
     def steps(self) -> Iterator[int]:
@@ -93,9 +156,14 @@ class TrainingRun:
             yield step
 
     def next_prompts(self) -> DataProto:
-        """The next training batch of prompts (the loader repeats the data for as long as needed)."""
+        """The next training batch of prompts (the loader repeats the data for as long as needed), with
+        ``meta_info["seed"]``, its sampling seed: derived from ``trainer.seed`` and the batch's index in
+        the run (from the loader's position, which checkpoints restore), not drawn from an RNG whose
+        state a resume would have to replay."""
+        position = self.loader.state_dict()
+        index = position["epoch"] * len(self.loader) + position["position"]
         tensors, non_tensors = next(self._batches)
-        return prompts_to_proto(tensors, non_tensors)
+        return prompts_to_proto(tensors, non_tensors, {"seed": derive_seed(self.cfg.trainer.seed, index)})
 
     def validate(self) -> dict[str, float]:
         with self.timer("validate"):

@@ -68,7 +68,7 @@ class ActorWorker(FSDPTrainWorker):
     def init_model(self) -> None:
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=torch_dtype(model_cfg.dtype))
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), dtype=torch_dtype(model_cfg.dtype))
         if self.role == "ref":
             model.requires_grad_(False)
         elif model_cfg.gradient_checkpointing:

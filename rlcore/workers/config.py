@@ -106,3 +106,11 @@ def worker_device(config: Mapping | DictConfig | Any) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("trainer.device='cuda' but CUDA is not available here; use 'cpu' or 'auto'")
     return torch.device(name)
+
+
+def worker_deterministic(config: Mapping | DictConfig | Any) -> bool:
+    """``trainer.deterministic`` of a run config: workers switch torch's deterministic mode on in their
+    own process (``rlcore.engines.seeding.set_deterministic``), which the driver's setting does not reach."""
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
+    return bool(((config or {}).get("trainer") or {}).get("deterministic", False))

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -36,17 +37,20 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
+from rlcore.engines.seeding import set_deterministic
 from rlcore.engines.server import push_buckets
 from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
 from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
-from rlcore.workers.config import TrainConfig, worker_device
+from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
 
 
 def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
-    """Pick the device (``trainer.device``), join the process group with the matching backend, seed torch."""
+    """Pick the device (``trainer.device``), join the process group with the matching backend, seed torch
+    (and with ``trainer.deterministic``, switch its deterministic algorithms on in this process)."""
     device = worker_device(config)
+    set_deterministic(worker_deterministic(config), device)
     worker.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU, set by init_distributed
@@ -180,11 +184,19 @@ def clip_and_step(model: nn.Module, optimizer, lr_scheduler, grad_clip: float | 
 
 
 # ----------------------------------------------------------------------------- micro-batching
-def micro_batch_indices(data: DataProto, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int) -> list[np.ndarray]:
-    """Row indices of each micro-batch: fixed row counts, or packed to a token budget."""
+def micro_batch_indices(data: DataProto, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int,
+                        device: torch.device | None = None) -> list[np.ndarray]:
+    """Row indices of each micro-batch: fixed row counts, or packed to a token budget. Packed, every DP
+    rank gets as many micro-batches as the rank that needs most (one all-reduce on ``device``): each
+    forward is a round of FSDP collectives, and a rank running fewer would leave the others waiting."""
     if use_dynamic_bsz:
         lengths = data.batch["attention_mask"].sum(-1).tolist()
-        return [np.asarray(ix) for ix in rearrange_micro_batches(lengths, max_token_len)]
+        count = len(rearrange_micro_batches(lengths, max_token_len))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            most = torch.tensor(count, device=device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            count = int(most)
+        return [np.asarray(ix) for ix in rearrange_micro_batches(lengths, max_token_len, count)]
     if micro_batch_size <= 0:
         raise ValueError(f"micro-batch size must be positive, got {micro_batch_size}")
     return [np.arange(s, min(s + micro_batch_size, len(data))) for s in range(0, len(data), micro_batch_size)]
@@ -234,12 +246,24 @@ def save_checkpoint(path: str, model: nn.Module, optimizer, extra: dict[str, Any
     os.makedirs(path, exist_ok=True)
     model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
     state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
-    dcp.save(state, checkpoint_id=path)
+    _named_write(path, lambda: dcp.save(state, checkpoint_id=path))
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    torch.save({**extra, "rng": rng}, os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt"))
+    extra_file = os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt")
+    _named_write(extra_file, lambda: torch.save({**extra, "rng": rng}, extra_file))
     dist.barrier()
+
+
+def _named_write(path: str, write: Callable[[], Any]) -> None:
+    """``write()``, a failure re-raised naming the checkpoint file and the cause: torch's own message
+    ("unexpected pos ...", "file write failed", a per-rank CheckpointException) names neither."""
+    try:
+        write()
+    except (OSError, RuntimeError, CheckpointException) as exc:
+        causes = [e for e, _ in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
+        cause = "; ".join(f"{type(e).__name__}: {e}" for e in causes)
+        raise OSError(f"writing checkpoint {path} failed: {cause} (disk full?)") from exc
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
@@ -285,7 +309,8 @@ class FSDPTrainWorker(Worker):
         if self.module is None:
             raise RuntimeError(f"{type(self).__name__}: call init_model() first")
         cfg = self.train_cfg
-        return micro_batch_indices(data, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu)
+        return micro_batch_indices(data, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                   cfg.ppo_max_token_len_per_gpu, self.device)
 
     def run_updates(self, data: DataProto, loss_fn: Callable[..., tuple[torch.Tensor, dict]], prefix: str) -> dict[str, float]:
         """``ppo_epochs`` passes over this rank's rows in mini-batches, one optimizer step each.

@@ -5,7 +5,9 @@ the engine, ``hf`` or ``vllm``, and its sampling defaults) and ``trainer.device`
 
 Per-call overrides through ``prompts.meta_info``: temperature, top_p, top_k, max_new_tokens, n,
 do_sample, stop, stop_token_ids, ignore_eos; ``validate=True`` means greedy with n=1 unless do_sample / n are
-given too. See ``rlcore.engines.SamplingSettings.resolve``.
+given too; ``seed``, the call's sampling seed (the driver gives each prompt batch one, so a resumed run
+samples what an uninterrupted one would; ranks and rows get seeds derived from it). See
+``rlcore.engines.SamplingSettings.resolve``.
 
 Multi-turn episodes: ``generate_episodes(tasks, runner)`` hands this rank's engine to an
 ``EpisodeRunner`` the driver built (``rlcore.agentic.EnvEpisodes`` plays registered envs). The
@@ -28,14 +30,14 @@ import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from rlcore.engines import Engine, RolloutConfig, SamplingSettings, build_engine
+from rlcore.engines import Engine, RolloutConfig, SamplingSettings, build_engine, set_deterministic
 from rlcore.engines.layout import build_output, check_left_padded, pad_rollout
 from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, DispatchMode, Worker, register
 from rlcore.single_controller.decorator import collect_dp_proto, resolve_dispatch_mode
 from rlcore.typed_config import read_section
-from rlcore.workers.config import worker_device
+from rlcore.workers.config import worker_deterministic, worker_device
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -92,11 +94,13 @@ class RolloutWorker(Worker):
         self.model_config.require_path()
         self.config = read_section(config, "rollout", RolloutConfig)
         self.device = str(worker_device(config))
+        self.deterministic = worker_deterministic(config)
         self.engine: Engine | None = None
         self._tok = None  # the tokenizer episode runners encode with, loaded on first use
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
+        set_deterministic(self.deterministic, self.device)  # before vLLM is imported: it reads the env then
         self.engine = build_engine(self.model_config, self.config, device=self.device, rank=self.rank)
 
     @register(dispatch_mode=DP_COMPUTE_ROLLOUT)

@@ -125,6 +125,30 @@ def test_sampling_is_seeded_per_rank_and_leaves_global_rng_alone(model_dir, tok)
     assert not torch.equal(again.batch["responses"], out_a.batch["responses"])
 
 
+def test_a_seeded_call_samples_the_same_whatever_came_before(model_dir, tok):
+    """settings.seed: the samples depend on (seed, rank, repeat count) only, not on the stream, the
+    engine's rollout.seed or earlier calls; a second call in a row with one seed (a multi-turn
+    rollout's next turn) draws anew, and a fresh engine repeats the whole sequence."""
+    fresh, used = (HFEngine(ModelConfig(path=model_dir), RolloutConfig(max_new_tokens=MAX_NEW, seed=s)) for s in (0, 5))
+    rank_one = HFEngine(ModelConfig(path=model_dir), RolloutConfig(max_new_tokens=MAX_NEW), rank=1)
+
+    def responses(engine, seed):
+        sample = settings(max_new_tokens=MAX_NEW, seed=seed)
+        return generate(engine, make_prompts(tok), sample, repeat=2).batch["responses"]
+
+    for seed in (None, None, 3):  # the stream moves on, and seed 3's call is not the one below
+        responses(used, seed)
+    state = torch.get_rng_state()
+    first = responses(fresh, 11)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(responses(used, 11), first)
+    second = responses(fresh, 11)
+    assert not torch.equal(second, first) and torch.equal(responses(used, 11), second)
+    assert not torch.equal(responses(fresh, 12), first)
+    assert not torch.equal(responses(rank_one, 11), first)
+    assert not torch.equal(first[0::2], first[1::2])  # the two samples of each prompt differ
+
+
 def test_ignore_eos_gives_full_length_responses(engine, tok):
     """32 samples x 10 tokens from a near-uniform 66-token model: eos gets sampled, and ends a row
     only without ignore_eos."""

@@ -98,6 +98,24 @@ def test_repeated_prompts_get_distinct_samples(vllm_engine, tok):
     assert out.meta_info["rollout/tokens_per_s"] > 0
 
 
+def test_a_seeded_call_samples_the_same_whatever_came_before(vllm_engine, tok):
+    """settings.seed: each row's request gets a seed from (seed, rank, repeat count, row), so a call
+    repeats exactly after unseeded and other-seeded calls, while rows (the n samples of a prompt too)
+    and seeds differ."""
+
+    def responses(seed):
+        sample = settings(max_new_tokens=MAX_NEW, seed=seed)
+        return generate(vllm_engine, make_prompts(tok), sample, repeat=2).batch["responses"]
+
+    first = responses(11)
+    responses(None)
+    other = responses(12)
+    assert torch.equal(responses(11), first)
+    assert not torch.equal(other, first)
+    assert not torch.equal(first[0::2], first[1::2])
+    assert not torch.equal(responses(11), first)  # the same seed twice in a row: the next turn, drawn anew
+
+
 def test_ignore_eos_gives_full_length_responses(vllm_engine, tok):
     stopped = generate(vllm_engine, make_prompts(tok), settings(max_new_tokens=MAX_NEW), repeat=8)
     lengths = stopped.batch["response_mask"].sum(1)

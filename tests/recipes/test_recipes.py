@@ -174,6 +174,37 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, tiny_model, monkeypatc
     assert any(r["actor/pg_loss"] != 0 for r in expected[1:])  # the policy really trained
 
 
+VLLM_ROLLOUT = ["rollout.backend=vllm", "rollout.dtype=float32", "rollout.kv_cache_memory_bytes=268435456",
+                "rollout.max_model_len=128"]
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
+    """Sampled rollouts: each step's sampling seed comes from (trainer.seed, batch index), so a run
+    stopped at its step-2 checkpoint and resumed logs the uninterrupted run's metrics at steps 3-4."""
+    if engine == "vllm":
+        pytest.importorskip("vllm")
+    length_reward = Path(__file__).with_name("length_reward.py")  # random-model samples must score apart
+    overrides = [f"model.path={tiny_model}", "trainer.backend=local", "trainer.save_freq=2", "rollout.do_sample=true",
+                 "actor.lr=5e-2", "actor.ppo_mini_batch_size=4", f"reward.reward_fn={length_reward}:reward_by_length",
+                 *COMMON_RL, *(VLLM_ROLLOUT if engine == "vllm" else [])]
+    whole = recipes.grpo.train(config("grpo", tmp_path, *overrides, "trainer.run_name=whole", "trainer.total_steps=4"))
+    recipes.grpo.train(config("grpo", tmp_path, *overrides, "trainer.run_name=split"))  # 2 steps, checkpoint at 2
+    resumed = recipes.grpo.train(config("grpo", tmp_path, *overrides, "trainer.run_name=split", "trainer.total_steps=4",
+                                        "trainer.resume=auto"))
+    assert resumed.start_step == 2
+
+    def comparable(run):
+        rows = read_jsonl_metrics(run.dir / "metrics.jsonl")
+        return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+    expected, got = comparable(whole), comparable(resumed)
+    assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
+    for want, have in zip(expected[3:], got[3:]):
+        assert have == want, {k: (want[k], have.get(k)) for k in want if have.get(k) != want[k]}
+    assert len({r["critic/score/mean"] for r in expected[1:]}) > 1  # sampled: the scores vary from step to step
+
+
 def run_recipe(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", f"recipes.{name}", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
