@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from rlcore.agentic.env import Env, Result
+from rlcore.agentic.env import Env, LatencyEnv, Result
 from rlcore.data.dataset import collate_prompts
 from rlcore.engines.async_base import Completion
 from rlcore.engines.base import SamplingSettings
@@ -101,17 +101,22 @@ class Trajectory:
         return min(own) if own else ENV_TOKEN_VERSION
 
 
+def env_name(env: Env) -> str:
+    """The env's class name for messages: the configured env's, not that of the latency wrapper around it."""
+    return type(env.env if isinstance(env, LatencyEnv) else env).__name__
+
+
 async def env_call(what: str, coro, timeout_s: float, env: Env, session_id: Hashable, turn: int):
     """``await coro`` within ``timeout_s``; a timeout or an exception becomes an ``EnvError`` naming it."""
     try:
         return await asyncio.wait_for(coro, timeout=timeout_s)
     except asyncio.TimeoutError:
-        raise EnvError(f"{type(env).__name__}.{what} did not return within {timeout_s:g}s "
+        raise EnvError(f"{env_name(env)}.{what} did not return within {timeout_s:g}s "
                        f"(session {session_id!r}, turn {turn})") from None
     except EnvError:
         raise
     except Exception as exc:
-        raise EnvError(f"{type(env).__name__}.{what} raised {type(exc).__name__}: {exc} "
+        raise EnvError(f"{env_name(env)}.{what} raised {type(exc).__name__}: {exc} "
                        f"(session {session_id!r}, turn {turn})") from exc
 
 
@@ -138,7 +143,7 @@ async def play_episode(env: Env, engine: Generator, task: Mapping[str, Any], sam
     observation = await env_call("reset", env.reset(task), step_timeout_s, env, session_id, 0)
     traj = Trajectory(list(observation))
     if not 0 < len(traj.prompt_ids) < max_total_tokens:
-        raise EnvError(f"{type(env).__name__}.reset gave {len(traj.prompt_ids)} tokens (session {session_id!r}); "
+        raise EnvError(f"{env_name(env)}.reset gave {len(traj.prompt_ids)} tokens (session {session_id!r}); "
                        f"an episode needs 1 to max_total_tokens - 1 = {max_total_tokens - 1}")
     gen_s = env_s = 0.0
     for turn in range(1, max_turns + 1):

@@ -96,21 +96,40 @@ def init_ray(cfg: DictConfig) -> None:
     options = {"include_dashboard": False, "configure_logging": False,
                "runtime_env": {"env_vars": WORKER_ENV}}  # set before any import in the worker processes
     if address and address != "local":
-        check_reachable(address, t.ray_connect_timeout_s,
-                        "trainer.ray_address" if t.ray_address else "the RAY_ADDRESS environment variable")
+        source = "trainer.ray_address" if t.ray_address else "the RAY_ADDRESS environment variable"
+        check_reachable(address, t.ray_connect_timeout_s, source)
         ray.init(address=address, **options)
     else:
         ray.init(address=address, num_cpus=t.ray_num_cpus, **options)
 
 
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS frame
+HTTP2_SETTINGS = 4
+
+
 def check_reachable(address: str, timeout_s: float, source: str) -> None:
-    """Fail unless ``[scheme://]host:port`` accepts a TCP connection within ``timeout_s`` (an address
-    without a port, such as "auto", is left to Ray)."""
-    host, _, port = address.split("://")[-1].rpartition(":")
+    """Fail unless ``[scheme://]host:port`` answers like a Ray head within ``timeout_s``: it accepts a
+    TCP connection, and its GCS (a gRPC server) answers an HTTP/2 preface with a SETTINGS frame. A
+    listener that accepts and never speaks (a frozen head, another service, a firewall completing
+    handshakes) would otherwise make ``ray.init`` retry for ever, deaf to SIGTERM. An address
+    without a port ("auto") and a ``ray://`` client address (another protocol) get the TCP check or
+    none, and are left to Ray."""
+    scheme, _, rest = address.rpartition("://")
+    host, _, port = rest.rpartition(":")
     if not host or not port.isdigit():
         return
     try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            if scheme in ("", "gcs"):
+                sock.settimeout(timeout_s)
+                sock.sendall(HTTP2_PREFACE)
+                frame = sock.recv(9)
+                if len(frame) < 4 or frame[3] != HTTP2_SETTINGS:
+                    raise OSError(f"it answered {frame[:16]!r}, not as a gRPC server")
+    except socket.timeout:
+        raise ConnectionError(f"{address} (from {source}) accepts connections but did not answer as a Ray head "
+                              f"within {timeout_s:g}s (trainer.ray_connect_timeout_s): not a Ray head, or a frozen "
+                              "one. Check the address, or unset it to run a local instance") from None
     except OSError as exc:
         raise ConnectionError(f"no Ray cluster answers at {address} (from {source}) within {timeout_s:g}s: {exc}. "
                               "Start it (ray start --head) or unset the address to run a local instance") from None

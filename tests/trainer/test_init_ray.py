@@ -1,7 +1,9 @@
 """init_ray: a given Ray address that nothing answers fails at once naming it (ray.init would retry
-it for ever); one that answers is connected to, without the local-instance options."""
+it for ever); one that answers like a Ray head (a gRPC server's HTTP/2 SETTINGS frame) is connected
+to, without the local-instance options. (A listener that accepts and never answers: tests/faults.)"""
 
 import socket
+import threading
 import time
 
 import pytest
@@ -51,7 +53,17 @@ def test_a_live_address_is_attached_to_and_none_starts_a_local_instance(monkeypa
         server.bind(("127.0.0.1", 0))
         server.listen()
         address = f"127.0.0.1:{server.getsockname()[1]}"
+
+        def answer_like_a_grpc_server():  # what a Ray GCS sends first: an HTTP/2 SETTINGS frame
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(64)
+                conn.sendall(bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+
+        thread = threading.Thread(target=answer_like_a_grpc_server, daemon=True)
+        thread.start()
         init_ray(trainer(ray_address=address, ray_num_cpus=2))
+        thread.join(5)
     assert fake_ray_init[0]["address"] == address and "num_cpus" not in fake_ray_init[0]
     init_ray(trainer(ray_num_cpus=2))
     assert fake_ray_init[1]["address"] is None and fake_ray_init[1]["num_cpus"] == 2
