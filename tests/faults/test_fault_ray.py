@@ -165,6 +165,9 @@ def test_engine_server_dies_during_agentic_rollouts(tmp_path, fault_model, fault
 
     def get_groups(self, n, current_version, timeout_s=600.0):
         if not killed:
+            deadline = time.monotonic() + 30  # the pool's thread submits its first groups right after start
+            while not self._in_flight and time.monotonic() < deadline:
+                time.sleep(0.01)
             killed["in_flight"], killed["ready"] = len(self._in_flight), len(self._ready)
             ray.kill(engines[0].handle)
             killed["at"] = time.monotonic()
