@@ -38,6 +38,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from rlcore.agentic.episode import Trajectory
+from rlcore.single_controller.ray_group import plain_text
 
 
 class RolloutError(RuntimeError):
@@ -188,7 +189,7 @@ class RolloutPool:
             return
         except Exception as exc:
             raise RolloutError(f"group {group.group_id} (task {dict(group.task)!r}) failed on runner "
-                               f"{group.runner}: {exc}") from exc
+                               f"{group.runner}: {plain_text(exc)}") from exc
         with self._cond:
             self._ready.append((group, trajs))
             self._cond.notify_all()

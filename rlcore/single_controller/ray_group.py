@@ -24,6 +24,11 @@ _RemoteHost = ray.remote(WorkerHost)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its traceback headers
 
 
+def plain_text(error: BaseException | str) -> str:
+    """An error's text without the colour codes Ray puts in its tracebacks (for messages and logs)."""
+    return _ANSI.sub("", str(error))
+
+
 class RayWorkerGroup(WorkerGroup):
     passes_object_refs = True
 
@@ -89,7 +94,7 @@ class RayWorkerGroup(WorkerGroup):
                 except RayActorError as exc:
                     raise WorkerDiedError(method, rank, f"the worker process died: {exc}") from None
                 except RayTaskError as exc:
-                    raise WorkerError(method, rank, _ANSI.sub("", str(exc))) from None
+                    raise WorkerError(method, rank, plain_text(exc)) from None
                 except GetTimeoutError:
                     raise WorkerTimeoutError(method, [rank], timeout) from None
         return [results[r] for r in ranks]

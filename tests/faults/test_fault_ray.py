@@ -187,6 +187,7 @@ def test_engine_server_dies_during_agentic_rollouts(tmp_path, fault_model, fault
     raised = killed.get("raised", time.monotonic()) - killed["at"]
     message = str(err.value)
     assert killed["in_flight"] > 0
+    assert "\x1b[" not in message  # Ray's colour codes are stripped from the error text
     if isinstance(err.value, RolloutError):
         assert "engine 0 died during generate" in message or "engines died" in message, message
         what = where(message)
