@@ -19,7 +19,8 @@ Per step:
     update (per-token IS correction for tokens of older weights)                      update
     stream the new weights to the engines, bucket by bucket                           sync_weights
 Validation is the single-turn greedy one of the other recipes, on the engine servers, with the
-chat template (the warm start is SFT on chat-formatted prompts).
+chat template (the warm start is SFT on chat-formatted prompts). The loop is the agentic recipe's
+(``rlcore.trainer.streamed_grpo``); what differs is who plays the episodes and the rows' episode ids.
 """
 
 from __future__ import annotations
@@ -27,23 +28,13 @@ from __future__ import annotations
 import hydra
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
-from transformers import AutoTokenizer
 
-from rlcore.agentic import RolloutPool, start_runners, to_dataproto
+from rlcore.agentic import start_runners
 from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
 from rlcore.agentic.chat_proxy import ChatProxyConfig
-from rlcore.agentic.runner import generate_prompts, stop_runners
-from rlcore.engines import RolloutConfig, SamplingSettings
-from rlcore.engines.server import engine_idle_metrics, start_engine_servers, stop_engine_servers
-from rlcore.models import ModelConfig
-from rlcore.rewards.manager import RuleRewardManager
-from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
-from rlcore.trainer.builder import build_data, build_workers, init_ray
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
-from rlcore.trainer.tasks import episode_tasks
-from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.trainer.warmstart import warm_start
+from rlcore.trainer.streamed_grpo import train_on_streamed_episodes
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "agent", "agentic", "trainer")
 register_schema("chat_agent_grpo_schema", SECTIONS)
@@ -51,64 +42,20 @@ register_schema("chat_agent_grpo_schema", SECTIONS)
 
 def train(cfg: DictConfig) -> TrainingRun:
     cfg = load_config(cfg, SECTIONS)
-    if cfg.model.path is None:
-        cfg.model.path = warm_start(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    loader, val_batches = build_data(cfg, tokenizer)
     a, g = cfg.agentic, cfg.agent
-    use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    kl_ctrl = build_kl_controller(cfg.algorithm)  # with algorithm.use_kl_in_reward: the penalty's coefficient
-    workers = build_workers(cfg, ["actor"] + (["ref"] if use_ref else []))
-    init_ray(cfg)
-    model_cfg, rollout_cfg = ModelConfig(**cfg.model), RolloutConfig(**OmegaConf.to_container(cfg.rollout))
-    engines = start_engine_servers(a.num_engines, model_cfg, rollout_cfg, num_cpus=a.cpus_per_engine,
-                                   num_gpus=a.gpus_per_engine)
-    sampling = SamplingSettings.resolve(rollout_cfg, {"n": 1})
-    proxy = ChatProxyConfig(max_request_bytes=g.max_request_bytes, max_n=g.max_n, request_timeout_s=g.request_timeout_s)
-    spec = ChatAgentSpec(g.path, cfg.model.path, sampling, OmegaConf.to_container(g.kwargs), g.max_total_tokens,
-                         g.episode_timeout_s, proxy)
-    runners = start_runners(a.num_runners, spec, engines, num_cpus=a.cpus_per_runner, runner_cls=ChatAgentRunner)
-    reward_fn = RuleRewardManager.from_config(cfg)  # for the single-turn validation
-    groups = cfg.data.train_batch_size
-    bucket_bytes = int(a.bucket_mb * 2**20)
 
-    def validate_on_engines() -> dict[str, float]:
-        return validate(lambda prompts: generate_prompts(engines, prompts, rollout_cfg), val_batches, reward_fn)
+    def agent_runners(engines, sampling):
+        proxy = ChatProxyConfig(max_request_bytes=g.max_request_bytes, max_n=g.max_n,
+                                request_timeout_s=g.request_timeout_s)
+        spec = ChatAgentSpec(g.path, cfg.model.path, sampling, OmegaConf.to_container(g.kwargs), g.max_total_tokens,
+                             g.episode_timeout_s, proxy)
+        return start_runners(a.num_runners, spec, engines, num_cpus=a.cpus_per_runner, runner_cls=ChatAgentRunner)
 
-    state = {"kl_ctrl": kl_ctrl} if cfg.algorithm.use_kl_in_reward else {}
-    with TrainingRun(cfg, workers, loader, validate_on_engines, state) as run:
-        run.on_close(lambda: stop_engine_servers(engines))
-        run.on_close(lambda: stop_runners(runners))
-        workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
-        pool = RolloutPool(runners, episode_tasks(run), cfg.rollout.n, a.groups_in_flight or groups,
-                           max_staleness=a.max_staleness, max_ready=a.max_ready).start()
-        run.on_close(pool.stop)
-        _, engine_state = engine_idle_metrics(engines)
-        for step in run.steps():
-            with run.timer("wait_rollout"):
-                played = pool.get_groups(groups, current_version=step - 1, timeout_s=a.pop_timeout_s)
-            segments = [t for group in played for t in group]
-            uid = np.array([str(g) for g, group in enumerate(played) for _ in group], dtype=object)
-            episode = np.array([f"{uid[i]}/{t.episode_id}" for i, t in enumerate(segments)], dtype=object)
-            batch = to_dataproto(segments, tokenizer.pad_token_id, 1.0 if sampling.greedy else sampling.temperature,
-                                 {"uid": uid, "episode": episode})
-            metrics = chat_metrics(segments)
-            if needs_old_log_prob(cfg):
-                with run.timer("old_log_prob"):
-                    batch.union(workers.actor.compute_log_prob(batch))
-            if use_ref:
-                with run.timer("ref"):
-                    batch.union(workers.ref.compute_ref_log_prob(batch))
-            with run.timer("adv"):
-                metrics.update(compute_rewards(batch, cfg.algorithm, kl_ctrl))
-                compute_advantage(batch, cfg.algorithm)
-            with run.timer("update_actor"):
-                metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))
-            with run.timer("sync_weights"):
-                metrics.update(workers.actor.push_weights(engines, step, bucket_bytes, a.partial_rollout))
-            idle, engine_state = engine_idle_metrics(engines, engine_state)
-            run.end_step(step, {**metrics, **idle, **pool.metrics(), **batch_metrics(batch)}, batch)
-    return run
+    def describe(played, version):
+        segments = [t for group in played for t in group]  # an episode's id is unique in the run
+        return {"episode": np.array([t.episode_id for t in segments], dtype=object)}, chat_metrics(segments)
+
+    return train_on_streamed_episodes(cfg, agent_runners, describe)
 
 
 def chat_metrics(segments: list) -> dict[str, float]:

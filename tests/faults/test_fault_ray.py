@@ -19,6 +19,7 @@ import recipes.grpo
 from rlcore.agentic.pool import RolloutError, RolloutPool
 from rlcore.single_controller import RayResourcePool, WorkerDiedError, WorkerError
 from rlcore.single_controller.ray_group import RayWorkerGroup
+from rlcore.trainer import streamed_grpo
 
 pytestmark = pytest.mark.slow
 RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1"]
@@ -157,7 +158,7 @@ def test_engine_server_dies_during_agentic_rollouts(tmp_path, fault_model, fault
     import ray
 
     engines, killed = [], {}
-    real_start, real_get = recipes.agentic_grpo.start_engine_servers, RolloutPool.get_groups
+    real_start, real_get = streamed_grpo.start_engine_servers, RolloutPool.get_groups
 
     def start_engine_servers(*args, **kwargs):
         engines.extend(real_start(*args, **kwargs))
@@ -177,7 +178,7 @@ def test_engine_server_dies_during_agentic_rollouts(tmp_path, fault_model, fault
             killed.setdefault("raised", time.monotonic())
             raise
 
-    monkeypatch.setattr(recipes.agentic_grpo, "start_engine_servers", start_engine_servers)
+    monkeypatch.setattr(streamed_grpo, "start_engine_servers", start_engine_servers)
     monkeypatch.setattr(RolloutPool, "get_groups", get_groups)
     cfg = config("agentic_grpo", fault_model, tmp_path, *AGENTIC, "env.kwargs.step_latency_s=0.2",
                  "env.kwargs.latency_sigma=0.0")
