@@ -5,9 +5,17 @@ A dispatch mode is a pair of plain functions:
     dispatch_fn(ctx, args, kwargs) -> list of (args, kwargs), one entry per rank that runs
     collect_fn(ctx, outputs)       -> the value the driver gets back
 
-``ctx`` (a ``CallContext``) carries the group's world size, the call options (``pad``) and a
-scratch dict the two functions share (e.g. how many padding rows to drop). The built-in modes
-below are such pairs; users register their own with ``register(dispatch_mode=DispatchMode(...))``.
+``ctx`` (a ``CallContext``) carries the group's world size, the call options (``pad``,
+``balance``) and a scratch dict the two functions share (e.g. how many padding rows to drop). The
+built-in modes below are such pairs; users register their own with
+``register(dispatch_mode=DispatchMode(...))``.
+
+Balanced DP split. The DP modes hand rank r the r-th contiguous chunk of a batch. For a method
+registered with ``balance=True`` (its rows are independent and cost about their token count: a
+forward or an update over them), the group first reorders the rows so each chunk holds about the
+same number of tokens (``attention_mask`` ones; Karmarkar-Karp, ``balance``), and the collect
+puts the results back in the caller's row order, so the caller never sees the reordering. Without
+it a rank that got the long responses sets the pace while the others wait at FSDP's collectives.
 """
 
 from __future__ import annotations
@@ -18,7 +26,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from rlcore.protocol import DataProto
+from rlcore.single_controller.balance import balanced_permutation, chunk_loads
 
 REGISTER_ATTR = "_rlcore_register"
 
@@ -47,6 +58,7 @@ class CallContext:
     group: Any
     role: str = "default"
     pad: bool = False  # pad a batch that does not divide the DP size (and drop the padding afterwards)
+    balance: bool = False  # reorder rows so every rank gets about as many tokens (results come back in order)
     scratch: dict = field(default_factory=dict)
 
 
@@ -120,9 +132,12 @@ _collect_first.returns_rank_zero = True  # a future of it can be broadcast as on
 
 
 def split_for_ranks(ctx: CallContext, value: Any, world_size: int, what: str) -> list:
-    """Split one DataProto (or a future of one) into ``world_size`` parts, padding if allowed."""
+    """Split one DataProto (or a future of one) into ``world_size`` parts, padding if allowed, and
+    balanced by token count with ``ctx.balance``."""
     if isinstance(value, Deferred):
-        return value.split_for(ctx, world_size, what)
+        if not ctx.balance:
+            return value.split_for(ctx, world_size, what)
+        value = value.get()  # the balanced split needs the rows' token counts here
     if not isinstance(value, DataProto):
         return [value] * world_size
     if len(value) % world_size:
@@ -137,7 +152,35 @@ def split_for_ranks(ctx: CallContext, value: Any, world_size: int, what: str) ->
         if previous not in (None, pad):
             raise ValueError(f"{what}: DataProto arguments need different padding ({previous} vs {pad})")
         ctx.scratch["pad_size"] = pad
-    return value.chunk(world_size)
+    order = _split_order(ctx, value, world_size, what)
+    return (value if order is None else value[order]).chunk(world_size)
+
+
+def _split_order(ctx: CallContext, value: DataProto, world_size: int, what: str) -> np.ndarray | None:
+    """The row order whose contiguous chunks the ranks get: balanced by token count with
+    ``ctx.balance``, else None (as given). The first DataProto argument of a call decides it and
+    every other one follows, so rows stay aligned across arguments. Also records in
+    ``ctx.scratch["balance"]`` the per-rank token counts of the plain and of the used split."""
+    if "order" in ctx.scratch:
+        order = ctx.scratch["order"]
+        if order is not None and len(order) != len(value):
+            raise ValueError(f"{what}: {len(value)} rows, but the call's first DataProto argument has {len(order)}: "
+                             "a balanced split needs every DataProto argument to have the same rows")
+        return order
+    mask = None if value.batch is None or world_size == 1 else value.batch.get("attention_mask", None)
+    if mask is None or len(value) == 0:
+        if ctx.balance and world_size > 1:
+            raise ValueError(f"{what}: a balanced split weighs rows by their attention_mask, which this batch has "
+                             "not; call with .options(balance=False)")
+        ctx.scratch["order"] = None
+        return None
+    tokens = mask.reshape(len(value), -1).sum(-1).tolist()  # a row may hold several sequences (pairs)
+    order = np.asarray(balanced_permutation(tokens, world_size)) if ctx.balance else None
+    ctx.scratch["order"] = order
+    before, after = chunk_loads(tokens, world_size), chunk_loads(tokens, world_size, order)
+    ctx.scratch["balance"] = {"tokens_max_before": max(before), "tokens_min_before": min(before),
+                              "tokens_max_after": max(after), "tokens_min_after": min(after)}
+    return order
 
 
 def _dp_proto(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
@@ -155,11 +198,21 @@ def _dp_proto_with_func(ctx: CallContext, args: tuple, kwargs: dict) -> list[tup
 
 
 def collect_dp_proto(ctx: CallContext, outputs: list) -> Any:
-    """Concatenate per-rank DataProtos and drop the padding rows the dispatch added."""
+    """Concatenate per-rank DataProtos, put the rows back in the caller's order (after a balanced
+    split) and drop the padding rows the dispatch added."""
     if not all(isinstance(o, DataProto) for o in outputs):
         kinds = sorted({type(o).__name__ for o in outputs})
         raise TypeError(f"a DP_COMPUTE_PROTO method must return a DataProto on every rank, got {kinds}")
     out = DataProto.concat(outputs)
+    order = ctx.scratch.get("order")
+    if order is not None:
+        # k outputs per input row (adjacent) travel together: input row order[j] gave rows j*k .. j*k+k-1
+        per_row, rest = divmod(len(out), len(order))
+        if rest or not per_row:
+            raise ValueError(f"a balanced call returned {len(out)} rows for {len(order)} input rows: it must return "
+                             "the same number of rows for each; call it with .options(balance=False)")
+        inverse = np.argsort(order)
+        out = out[(inverse[:, None] * per_row + np.arange(per_row)).ravel()]
     pad = ctx.scratch.get("pad_size", 0)
     if pad:
         # A method may return k rows per input row (e.g. n samples per prompt, adjacent): the
@@ -229,6 +282,7 @@ def register(
     execute_mode: Execute = Execute.ALL,
     blocking: bool = True,
     pad: bool = False,
+    balance: bool = False,
 ) -> Callable:
     """Mark a worker method as callable on the whole group.
 
@@ -236,6 +290,10 @@ def register(
     execute_mode: ``Execute.ALL`` runs every rank; ``Execute.RANK_ZERO`` only rank 0.
     blocking: False makes the group call return a ``GroupFuture`` at once.
     pad: default for DP modes when the batch does not divide the DP size (False: a clear error).
+    balance: DP modes may reorder the rows so every rank gets about as many ``attention_mask``
+        tokens (the results come back in the caller's order). Declare it where rows are independent
+        and cost their token count; the group's ``balance_dp`` (``trainer.balance_batch``) and
+        ``.options(balance=...)`` switch it off.
     """
     mode = resolve_dispatch_mode(dispatch_mode)
     if not isinstance(execute_mode, Execute):
@@ -246,7 +304,8 @@ def register(
         def inner(*args, **kwargs):
             return fn(*args, **kwargs)
 
-        setattr(inner, REGISTER_ATTR, {"mode": mode, "execute": execute_mode, "blocking": blocking, "pad": pad})
+        setattr(inner, REGISTER_ATTR, {"mode": mode, "execute": execute_mode, "blocking": blocking, "pad": pad,
+                                      "balance": balance})
         return inner
 
     return decorate

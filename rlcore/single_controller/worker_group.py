@@ -73,6 +73,7 @@ class MethodSpec:
     execute: Execute
     blocking: bool
     pad: bool
+    balance: bool = False
 
 
 class GroupFuture(Deferred):
@@ -101,6 +102,7 @@ class GroupFuture(Deferred):
         refs_shareable = (
             not self._done
             and getattr(self.spec.mode.collect_fn, "concatenates_chunks", False)
+            and self.ctx.scratch.get("order") is None  # balanced: the ranks' outputs are in another row order
             and self.group.passes_object_refs
             and ctx.group.passes_object_refs
         )
@@ -118,21 +120,27 @@ class GroupFuture(Deferred):
 class GroupMethod:
     """One registered method on the whole group: ``wg.method(data)``; ``wg.method.options(...)(data)``."""
 
-    def __init__(self, group: "WorkerGroup", spec: MethodSpec, timeout="default", pad=None, blocking=None):
+    def __init__(self, group: "WorkerGroup", spec: MethodSpec, timeout="default", pad=None, blocking=None,
+                 balance=None):
         self._group, self._spec = group, spec
-        self._timeout, self._pad, self._blocking = timeout, pad, blocking
+        self._timeout, self._pad, self._blocking, self._balance = timeout, pad, blocking, balance
         self.__name__ = spec.public_name
         self.__doc__ = f"Group call of {spec.role}.{spec.name} ({spec.mode.name})."
 
-    def options(self, *, timeout: float | None | str = "default", pad: bool | None = None, blocking: bool | None = None) -> "GroupMethod":
-        """A copy of this method with per-call settings: timeout (s, None = wait forever), pad, blocking."""
-        return GroupMethod(self._group, self._spec, timeout, pad, blocking)
+    def options(self, *, timeout: float | None | str = "default", pad: bool | None = None, blocking: bool | None = None,
+                balance: bool | None = None) -> "GroupMethod":
+        """A copy of this method with per-call settings: timeout (s, None = wait forever), pad, blocking,
+        balance (split by token count; default: registered ``balance`` and the group's ``balance_dp``)."""
+        return GroupMethod(self._group, self._spec, timeout, pad, blocking, balance)
 
     def __call__(self, *args, **kwargs) -> Any:
         group, spec = self._group, self._spec
         pad = spec.pad if self._pad is None else self._pad
-        ctx = CallContext(world_size=group.world_size, group=group, role=spec.role, pad=pad)
+        balance = spec.balance and group.balance_dp if self._balance is None else self._balance
+        ctx = CallContext(world_size=group.world_size, group=group, role=spec.role, pad=pad, balance=balance)
         calls = spec.mode.dispatch_fn(ctx, args, kwargs)
+        if (spec.balance or balance) and "balance" in ctx.scratch:
+            group.last_balance = ctx.scratch["balance"]
         if spec.execute is Execute.RANK_ZERO:
             calls = calls[:1]
         handles = group._submit(spec.role, spec.name, calls)
@@ -149,6 +157,11 @@ class WorkerGroup:
     """Shared machinery of Ray and in-process groups. Subclasses provide ``_submit`` and ``_wait``."""
 
     passes_object_refs = False  # True where per-rank results live in a store other workers can read
+    # Methods registered with balance=True split their batches balanced by token count (the
+    # builder sets it from trainer.balance_batch). Their last call's per-rank token counts, plain
+    # split and used split: last_balance = {"tokens_max_before", "tokens_min_before", ... "_after"}.
+    balance_dp = True
+    last_balance: dict | None = None
 
     def __init__(self, classes: ClassWithInitArgs | ColocatedClasses, world_size: int, default_timeout: float | None) -> None:
         if isinstance(classes, ColocatedClasses):
@@ -177,7 +190,8 @@ class WorkerGroup:
                 public = f"{role}_{name}" if self._prefixed else name
                 if hasattr(type(self), public):
                     raise ValueError(f"worker method {cwa.cls.__name__}.{name} would shadow WorkerGroup.{public}; rename it")
-                spec = MethodSpec(role, name, public, reg["mode"], reg["execute"], reg["blocking"], reg["pad"])
+                spec = MethodSpec(role, name, public, reg["mode"], reg["execute"], reg["blocking"], reg["pad"],
+                                  reg["balance"])
                 setattr(self, public, GroupMethod(self, spec))
                 self.method_names.append(public)
 
@@ -190,7 +204,7 @@ class WorkerGroup:
             view = object.__new__(type(self))
             view.__dict__.update({k: v for k, v in self.__dict__.items() if not isinstance(v, GroupMethod)})
             view._roles, view._prefixed, view.method_names = {role: self._roles[role]}, False, []
-            view._mesh_cache = {}
+            view._mesh_cache, view.last_balance = {}, None
             view._bind_methods()
             views[role] = view
         return views

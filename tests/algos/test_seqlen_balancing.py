@@ -2,11 +2,7 @@ import random
 
 import pytest
 
-from rlcore.algos.seqlen_balancing import (
-    balance_partitions,
-    balanced_permutation,
-    rearrange_micro_batches,
-)
+from rlcore.algos.seqlen_balancing import rearrange_micro_batches
 
 
 def sums(groups, lens):
@@ -16,65 +12,6 @@ def sums(groups, lens):
 def assert_each_index_once(groups, n):
     flat = [i for g in groups for i in g]
     assert sorted(flat) == list(range(n))
-
-
-def test_equal_size_partition_of_1_to_8_is_perfect():
-    lens = [1, 2, 3, 4, 5, 6, 7, 8]  # total 36: two groups of 18 exist, KK finds them
-    groups = balance_partitions(lens, 2)
-    assert_each_index_once(groups, 8)
-    assert [len(g) for g in groups] == [4, 4]
-    assert sums(groups, lens) == [18, 18]
-
-
-def test_skewed_batch_is_balanced_where_contiguous_split_is_not():
-    lens = [1000] * 4 + [10] * 12  # long rows first, as a sorted or unlucky batch arrives
-    naive = [sum(lens[c * 4:(c + 1) * 4]) for c in range(4)]
-    assert max(naive) - min(naive) == 4000 - 40
-    groups = balance_partitions(lens, 4)
-    assert_each_index_once(groups, 16)
-    assert sums(groups, lens) == [1030, 1030, 1030, 1030]  # one long + three short each
-
-
-def test_random_skewed_lengths_spread_shrinks_a_lot():
-    rng = random.Random(0)
-    lens = sorted([rng.randint(20, 60) for _ in range(48)] + [rng.randint(900, 1024)
-                                                              for _ in range(16)], reverse=True)
-    k = 8
-    chunk = len(lens) // k
-    naive = [sum(lens[c * chunk:(c + 1) * chunk]) for c in range(k)]
-    groups = balance_partitions(lens, k)
-    assert_each_index_once(groups, len(lens))
-    assert all(len(g) == chunk for g in groups)
-    balanced = sums(groups, lens)
-    assert max(naive) - min(naive) > 3000
-    assert max(balanced) - min(balanced) <= 0.01 * (max(naive) - min(naive))
-    assert max(balanced) - min(balanced) < 60
-
-
-def test_unequal_size_karmarkar_karp_by_hand():
-    # differencing: {8}|{7} and {6}|{5}; then 4 joins 7 -> {4,7}|{8}; then 11+5 | 8+6
-    lens = [8, 7, 6, 5, 4]
-    groups = balance_partitions(lens, 2, equal_size=False)
-    assert groups == [[1, 3, 4], [0, 2]]
-    assert sums(groups, lens) == [16, 14]
-
-
-def test_balanced_permutation_chunks_are_the_partitions():
-    lens = [9, 1, 1, 9, 5, 5]
-    perm = balanced_permutation(lens, 3)
-    assert sorted(perm) == list(range(6))
-    chunks = [perm[0:2], perm[2:4], perm[4:6]]
-    assert sums(chunks, lens) == [10, 10, 10]
-    assert chunks == balance_partitions(lens, 3)
-
-
-def test_partition_argument_errors():
-    with pytest.raises(ValueError, match="divisible"):
-        balance_partitions([1, 2, 3], 2)
-    with pytest.raises(ValueError, match="3 items into 4"):
-        balance_partitions([1, 2, 3], 4, equal_size=False)
-    with pytest.raises(ValueError, match="k must be positive"):
-        balance_partitions([1, 2], 0)
 
 
 def test_micro_batches_first_fit_decreasing_by_hand():
