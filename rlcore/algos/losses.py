@@ -37,11 +37,15 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 class LossScale:
     """The whole mini-batch's counts, so that one micro-batch's loss is its exact share of the
     global mean (see ``agg_loss``): valid tokens and non-empty sequences over every micro-batch
-    and every one of ``dp_size`` ranks. All None: the plain mean over this micro-batch."""
+    and every one of ``dp_size`` ranks. All None: the plain mean over this micro-batch.
+    ``norm_len``: the mini-batch's padded response width, the constant "seq-mean-token-sum-norm"
+    divides by; micro-batches cropped to their own width (``rlcore.engines.layout.crop_padding``)
+    would otherwise each divide by a different one."""
 
     global_tokens: int | Tensor | None = None
     global_seqs: int | Tensor | None = None
     dp_size: int = 1
+    norm_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.dp_size < 1:
@@ -61,9 +65,10 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, scale: Los
       - "seq-mean-token-mean": per-sequence mean over its valid tokens, then mean over
         sequences (original GRPO; long answers get less weight per token).
       - "seq-mean-token-sum-norm": per-sequence sum divided by the constant ``norm_len``
-        (default ``loss_mat.shape[-1]``, the padded response length), then mean over sequences
-        (Dr. GRPO's length-unbiased normaliser). For DP invariance every micro-batch must use
-        the same ``norm_len``: pass it explicitly when micro-batches are padded differently.
+        (default ``scale.norm_len``, else ``loss_mat.shape[-1]``, the padded response length), then
+        mean over sequences (Dr. GRPO's length-unbiased normaliser). For DP invariance every
+        micro-batch must use the same ``norm_len``: pass it (or ``scale.norm_len``) explicitly
+        when micro-batches are padded differently.
     A "sequence" is a row with at least one valid token, so DP padding rows (all-zero mask)
     never dilute a mean.
 
@@ -92,7 +97,7 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str, scale: Los
     elif loss_agg_mode == "seq-mean-token-mean":
         seq_losses = token_sums / loss_mask.bool().sum(dim=-1).clamp(min=1).to(loss_mat.dtype)
     else:
-        length = loss_mat.shape[-1] if norm_len is None else norm_len
+        length = next(n for n in (norm_len, scale.norm_len, loss_mat.shape[-1]) if n is not None)
         if length <= 0:
             raise ValueError(f"norm_len must be > 0, got {length}")
         seq_losses = token_sums / length
@@ -172,7 +177,7 @@ def finish_policy_loss(pg_losses: Tensor, inp: PolicyLossInput, cfg: PolicyLossC
     with torch.no_grad():
         metrics = {
             # the local micro-batch mean: comparable across runs whatever the DP split
-            "pg_loss": float(agg_loss(pg_losses, mask, cfg.loss_agg_mode)),
+            "pg_loss": float(agg_loss(pg_losses, mask, cfg.loss_agg_mode, norm_len=inp.scale.norm_len)),
             "pg_clipfrac": float(masked_mean(clipfrac.to(pg_losses.dtype), mask)),
             "ppo_kl": float(masked_mean(-log_ratio, mask)),
             "pg_clipfrac_lower": float(masked_mean(clipfrac_lower.to(pg_losses.dtype), mask)),
@@ -240,6 +245,79 @@ def compute_policy_loss_reinforce(inp: PolicyLossInput, cfg: PolicyLossConfig) -
     return finish_policy_loss(pg_losses, inp, cfg, log_ratio, none, none)
 
 
+def _sequence_log_ratio(inp: PolicyLossInput) -> Tensor:
+    """(B, 1) mean over each row's valid tokens of log(pi / pi_old): GSPO's length-normalised
+    log sequence ratio (a row without valid tokens gets 0, i.e. ratio 1; it is masked anyway)."""
+    return masked_mean(inp.log_ratio(), inp.response_mask, dim=-1).unsqueeze(-1)
+
+
+@register_policy_loss("gspo")
+def compute_policy_loss_gspo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025): PPO's clipped surrogate on the sequence ratio
+    s_i = exp(mean_t log(pi / pi_old)), broadcast to the row's tokens.
+
+    Why a sequence ratio: the reward is given to the whole response, so the importance weight
+    should be the response's too; token ratios are noisy single-sample estimates of it whose
+    variance grows with length. The geometric mean (length normalisation) keeps s_i near 1 on
+    any length, so one clip range fits short and long answers, and a whole response is clipped
+    or not: clipping never keeps half an answer's tokens. s_i carries the gradient of every
+    token of the row (d s_i = s_i * mean_t d log pi). With per-token advantages (GAE) token t's
+    loss also moves the row's other tokens; ``gspo_token`` keeps each token's gradient its own.
+
+    Settings: ``clip_ratio_low`` / ``clip_ratio_high`` bound s_i, and s_i moves far less than a
+    token ratio: the paper uses 3e-4 / 4e-4 (PPO's 0.2 would almost never clip). The paper's
+    aggregation is ``loss_agg_mode=seq-mean-token-mean`` (one term per response); pg_clipfrac
+    is the fraction of valid tokens whose row was clipped.
+    """
+    advantages = _needs_advantages(inp, "gspo")
+    log_seq = _sequence_log_ratio(inp).expand_as(inp.log_prob)
+    pg_losses, clipped = _clipped_surrogate(log_seq, advantages, cfg)
+    return finish_policy_loss(pg_losses, inp, cfg, inp.log_ratio(), clipped, torch.zeros_like(clipped))
+
+
+@register_policy_loss("gspo_token")
+def compute_policy_loss_gspo_token(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
+    """GSPO-token (Zheng et al. 2025): token ratio s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)].
+
+    Its value is GSPO's sequence ratio s_i on every token, so clipping is decided per response
+    as in ``gspo``, but token t's gradient is s_i * A_t * d log pi(y_t), its own only: per-token
+    advantages (GAE, multi-turn credit) act on their tokens. With one advantage per response and
+    ``seq-mean-token-mean`` it has exactly ``gspo``'s value and gradient. Same settings as ``gspo``.
+    """
+    advantages = _needs_advantages(inp, "gspo_token")
+    log_prob = inp.log_prob
+    log_seq = _sequence_log_ratio(inp).detach() + log_prob - log_prob.detach()
+    pg_losses, clipped = _clipped_surrogate(log_seq, advantages, cfg)
+    return finish_policy_loss(pg_losses, inp, cfg, inp.log_ratio(), clipped, torch.zeros_like(clipped))
+
+
+@register_policy_loss("cispo")
+def compute_policy_loss_cispo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient IS weight,
+    gradient -sg[clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high)] * A_t * d log pi(y_t).
+
+    Why: PPO's clip zeroes the gradient of a token whose ratio left the trust region, and the
+    tokens that do so are often the rare "fork" tokens (reflection words) that matter most;
+    CISPO bounds the token's weight instead and keeps its gradient. The per-token loss is
+    -sg[w] * A * (1 + log_prob - sg[log_prob]): the gradient of the paper's -sg[w] * A * log_prob,
+    with the value -w * A (a weighted advantage, comparable with PPO's pg_loss; the paper's
+    value would be dominated by the size of log_prob).
+
+    Settings: MiniMax-M1 set no lower bound (``clip_ratio_low=1.0``: the weight is clipped below
+    at 0, i.e. not at all) and tuned only ``clip_ratio_high``. pg_clipfrac: fraction of valid
+    tokens whose weight was clipped (either side); pg_clipfrac_lower: those clipped below.
+    """
+    advantages = _needs_advantages(inp, "cispo")
+    log_ratio = inp.log_ratio()
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio)
+        weight = torch.clamp(ratio, 1.0 - cfg.clip_ratio_low, 1.0 + cfg.clip_ratio_high)
+        above, below = ratio > 1.0 + cfg.clip_ratio_high, ratio < 1.0 - cfg.clip_ratio_low
+    log_prob = inp.log_prob
+    pg_losses = -weight * advantages * (1.0 + log_prob - log_prob.detach())
+    return finish_policy_loss(pg_losses, inp, cfg, log_ratio, above | below, below)
+
+
 # ---------------------------------------------------------------------------------------------
 # Value loss
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +342,7 @@ def compute_value_loss(vpreds: Tensor, values: Tensor, returns: Tensor, response
     loss = agg_loss(loss_mat, response_mask, loss_agg_mode, scale)
     with torch.no_grad():
         metrics = {
-            "vf_loss": float(agg_loss(loss_mat, response_mask, loss_agg_mode)),
+            "vf_loss": float(agg_loss(loss_mat, response_mask, loss_agg_mode, norm_len=scale.norm_len)),
             "vf_clipfrac": float(masked_mean((clipped_err > unclipped_err).to(vpreds.dtype), response_mask)),
         }
     return loss, metrics

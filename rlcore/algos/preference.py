@@ -1,4 +1,5 @@
-"""Online preference optimisation pieces: pairs from scored samples, and DPO as a policy loss.
+"""Preference learning pieces: pairs from scored samples, DPO as a policy loss, and the
+Bradley-Terry loss of a reward model.
 
 Online DPO samples n responses per prompt from the current policy, scores them, and trains on
 (best, worst) pairs against the frozen reference. The pairs travel as adjacent rows (chosen at
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rlcore.algos.losses import PolicyLossConfig, PolicyLossInput, register_policy_loss
+from rlcore.algos.losses import LOCAL, LossScale, PolicyLossConfig, PolicyLossInput, register_policy_loss
 from rlcore.algos.stats import check_same_shape
 from rlcore.protocol import DataProto
 
@@ -130,3 +131,35 @@ def dpo_policy_loss(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor
 
 
 dpo_policy_loss.batch_keys = ("ref_log_prob",)  # the actor keeps these batch keys for the loss
+
+
+def bradley_terry_loss(chosen: Tensor, rejected: Tensor, scale: LossScale = LOCAL) -> tuple[Tensor, dict[str, float]]:
+    """Reward-model loss on the scalar scores of (chosen, rejected) pairs, shape (P,) each:
+    mean over pairs of -log sigmoid(r_chosen - r_rejected), i.e. the negative log-likelihood of the
+    preferences under Bradley-Terry, P(chosen > rejected) = sigmoid(r_chosen - r_rejected).
+
+    DP-invariant like ``agg_loss``: ``scale.global_seqs`` counts the *sequences* of the whole
+    mini-batch (two per pair, as a reward model's update sees them), and the result is then this
+    micro-batch's contribution sum(pair losses) / (global_seqs / 2) * dp_size. Metrics are over
+    these pairs: ``accuracy`` (chosen strictly above rejected: a tie is no preference learnt),
+    ``margin`` (mean r_chosen - r_rejected) and the mean score of each side.
+    """
+    check_same_shape("chosen", chosen, "rejected", rejected)
+    if chosen.ndim != 1 or not len(chosen):
+        raise ValueError(f"the Bradley-Terry loss expects non-empty scores of shape (P,), got {tuple(chosen.shape)}")
+    margin = chosen.float() - rejected.float()
+    total = -F.logsigmoid(margin).sum()
+    if scale.global_seqs is None:
+        loss = total / len(margin)
+    else:
+        if scale.global_seqs <= 0:
+            raise ValueError(f"global_seqs must be > 0, got {scale.global_seqs}")
+        loss = total / (scale.global_seqs / 2) * scale.dp_size
+    with torch.no_grad():
+        metrics = {
+            "accuracy": float((margin > 0).float().mean()),
+            "margin": float(margin.mean()),
+            "chosen_score": float(chosen.float().mean()),
+            "rejected_score": float(rejected.float().mean()),
+        }
+    return loss, metrics

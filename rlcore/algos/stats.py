@@ -99,9 +99,15 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) over the last dim: logsumexp(z) - sum(p * z)."""
+    """Entropy of softmax(logits) over the last dim: logsumexp(z) - sum(p * z).
+
+    Logits at -inf (tokens a top-k / top-p filter removed, ``rlcore.algos.sampling``) have p = 0
+    and count as 0, the entropy of the truncated distribution; the product p * z there would be
+    0 * -inf = NaN, in the forward result and in the gradient, so those z are replaced by 0 first.
+    """
     probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+    finite = torch.where(torch.isneginf(logits), torch.zeros((), dtype=logits.dtype, device=logits.device), logits)
+    return torch.logsumexp(logits, dim=-1) - (probs * finite).sum(dim=-1)
 
 
 # ---------------------------------------------------------------------------------------------

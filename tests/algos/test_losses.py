@@ -28,6 +28,10 @@ def test_agg_loss_local_modes_by_hand():
     close(L.agg_loss(loss, mask, "seq-mean-token-mean"), (2.0 + 4.0) / 2)
     close(L.agg_loss(loss, mask, "seq-mean-token-sum-norm"), (6.0 / 3 + 4.0 / 3) / 2)
     close(L.agg_loss(loss, mask, "seq-mean-token-sum-norm", norm_len=10), (0.6 + 0.4) / 2)
+    # a cropped micro-batch's scale carries the mini-batch's width: rows 0-1 cropped to 2 columns
+    # still divide by 10 (and an explicit norm_len wins over the scale's)
+    close(L.agg_loss(loss[:2, :2], mask[:2, :2], "seq-mean-token-sum-norm", LossScale(norm_len=10)), (0.3 + 0.4) / 2)
+    close(L.agg_loss(loss, mask, "seq-mean-token-sum-norm", LossScale(norm_len=10), norm_len=5), (1.2 + 0.8) / 2)
     with pytest.raises(ValueError, match="unknown loss_agg_mode"):
         L.agg_loss(loss, mask, "token-sum")
     with pytest.raises(ValueError, match="global_tokens"):
@@ -175,6 +179,93 @@ def test_reinforce_loss_is_unclipped():
     loss, m = run_loss("reinforce", logp, old, adv, mask)
     close(loss, (-1.5 - 0.9 + 0.5 + 1.1 - 1.4) / 5)
     assert m["pg_clipfrac"] == 0.0
+
+
+def gspo_example():
+    """Row 0: three valid tokens, log ratios 0.3, -0.1, 0.1 (mean 0.1); row 1: two valid tokens,
+    -0.4 and 0.0 (mean -0.2), then padding with garbage."""
+    old = torch.tensor([[0.5, -1.0, -2.0], [-0.3, -0.7, PAD]])
+    logp = old + torch.tensor([[0.3, -0.1, 0.1], [-0.4, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.float32)
+    return logp, torch.where(mask.bool(), old, torch.zeros(())), mask
+
+
+def test_gspo_value_is_the_clipped_sequence_ratio_surrogate():
+    logp, old, mask = gspo_example()
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, PAD]])
+    s0, s1 = math.exp(0.1), math.exp(-0.2)
+    # PPO's 0.2 clip never binds (s in [0.8, 1.2]): per token -A * s_i, here token-mean over 5 tokens
+    for name in ("gspo", "gspo_token"):
+        loss, m = run_loss(name, logp, old, adv, mask)
+        close(loss, (3 * -s0 + 2 * s1) / 5)
+        assert m["pg_clipfrac"] == 0.0
+        assert m["ppo_kl"] == pytest.approx(-(0.3 - 0.1 + 0.1 - 0.4 + 0.0) / 5, abs=1e-6)
+    # the paper's clip range: both rows clip, row 0 at 1 + 4e-4, row 1 (A < 0) at 1 - 3e-4
+    settings = dict(clip_ratio_low=3e-4, clip_ratio_high=4e-4, loss_agg_mode="seq-mean-token-mean")
+    for name in ("gspo", "gspo_token"):
+        loss, m = run_loss(name, logp, old, adv, mask, **settings)
+        close(loss, (-(1 + 4e-4) + (1 - 3e-4)) / 2)
+        assert m["pg_clipfrac"] == 1.0
+    leaf = logp.clone().requires_grad_(True)
+    run_loss("gspo", leaf, old, adv, mask, **settings)[0].backward()
+    close(leaf.grad, torch.zeros(2, 3))  # a clipped response gets no gradient at all
+
+
+def test_gspo_gradient_flows_through_the_sequence_mean_and_gspo_token_keeps_tokens_apart():
+    logp, old, mask = gspo_example()
+    s0, s1 = math.exp(0.1), math.exp(-0.2)
+    adv = torch.tensor([[1.0, 2.0, -1.0], [-1.0, -1.0, PAD]])  # per-token advantages in row 0
+    grads = {}
+    for name in ("gspo", "gspo_token"):
+        leaf = logp.clone().requires_grad_(True)
+        run_loss(name, leaf, old, adv, mask)[0].backward()
+        grads[name] = leaf.grad
+    # gspo: d(-A_t s_0)/dlogp_u = -A_t s_0 / 3 for every u of the row, summed over t: -(1+2-1) s_0 / 3, / 5 tokens
+    close(grads["gspo"], [[-2 * s0 / 15] * 3, [2 * s1 / 2 / 5, 2 * s1 / 2 / 5, 0.0]])
+    # gspo_token: token t's own -A_t s_0, / 5 tokens
+    close(grads["gspo_token"], [[-s0 / 5, -2 * s0 / 5, s0 / 5], [s1 / 5, s1 / 5, 0.0]])
+    # with one advantage per response and seq-mean-token-mean the two are the same loss
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, PAD]])
+    for name in ("gspo", "gspo_token"):
+        leaf = logp.clone().requires_grad_(True)
+        run_loss(name, leaf, old, adv, mask, loss_agg_mode="seq-mean-token-mean")[0].backward()
+        # d(-A s_i)/dlogp_t = -A s_i / |y_i|, / 2 responses
+        close(leaf.grad, [[-s0 / 3 / 2] * 3, [s1 / 2 / 2, s1 / 2 / 2, 0.0]])
+
+
+def test_gspo_at_ratio_one_is_the_seq_mean_token_mean_policy_gradient():
+    _, old, mask = gspo_example()
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-3.0, -3.0, PAD]])
+    grads = []
+    for name in ("gspo", "reinforce"):
+        leaf = old.clone().requires_grad_(True)  # on-policy: ratio 1
+        loss, _ = run_loss(name, leaf, old, adv, mask, loss_agg_mode="seq-mean-token-mean")
+        close(loss, (-1.0 + 3.0) / 2)
+        loss.backward()
+        grads.append(leaf.grad)
+    close(grads[0], [[-1 / 3 / 2] * 3, [3 / 2 / 2, 3 / 2 / 2, 0.0]])  # -A / |y_i| / 2 responses
+    close(grads[0], grads[1])
+
+
+def test_cispo_keeps_every_tokens_gradient_with_a_clipped_weight():
+    logp, old, adv, mask = ppo_example()  # ratios 1.5, 0.9, 0.5, 1.1 | 0.7; A 1, 1, -1, -1 | 2
+    leaf = logp.clone().requires_grad_(True)
+    loss, m = run_loss("cispo", leaf, old, adv, mask)
+    # weights clip(r, 0.8, 1.2) = 1.2, 0.9, 0.8, 1.1 | 0.8; value per token -w * A
+    close(loss, (-1.2 - 0.9 + 0.8 + 1.1 - 1.6) / 5)
+    loss.backward()
+    # gradient -w * A / N on every valid token, the clipped ones included (PPO gives those 0)
+    close(leaf.grad, [[-1.2 / 5, -0.9 / 5, 0.8 / 5, 1.1 / 5], [-1.6 / 5, 0.0, 0.0, 0.0]])
+    assert m["pg_clipfrac"] == pytest.approx(3 / 5)  # 1.5 above; 0.5 and 0.7 below
+    assert m["pg_clipfrac_lower"] == pytest.approx(2 / 5)
+    # MiniMax-M1's setting: no lower bound (clip_ratio_low=1.0), only the upper one
+    leaf = logp.clone().requires_grad_(True)
+    loss, m = run_loss("cispo", leaf, old, adv, mask, clip_ratio_low=1.0, clip_ratio_high=0.2)
+    loss.backward()
+    close(leaf.grad, [[-1.2 / 5, -0.9 / 5, 0.5 / 5, 1.1 / 5], [-1.4 / 5, 0.0, 0.0, 0.0]])
+    assert m["pg_clipfrac"] == pytest.approx(1 / 5) and m["pg_clipfrac_lower"] == 0.0
+    with pytest.raises(ValueError, match="'cispo' policy loss needs advantages"):
+        run_loss("cispo", logp, old, None, mask)
 
 
 def test_is_weights_scale_per_token_loss():

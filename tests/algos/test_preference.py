@@ -1,4 +1,5 @@
-"""rlcore.algos.preference: DPO/IPO on hand numbers, best/worst pairs, and the dpo policy loss (DP-invariance)."""
+"""rlcore.algos.preference: DPO/IPO on hand numbers, best/worst pairs, the dpo policy loss (DP-invariance),
+and the Bradley-Terry reward-model loss."""
 
 import math
 
@@ -8,7 +9,7 @@ import torch
 from algo_refs import close
 
 from rlcore.algos.losses import LossScale, PolicyLossConfig, PolicyLossInput, get_policy_loss
-from rlcore.algos.preference import best_worst_pairs, compute_dpo_loss, dpo_policy_loss
+from rlcore.algos.preference import best_worst_pairs, bradley_terry_loss, compute_dpo_loss, dpo_policy_loss
 from rlcore.protocol import DataProto
 
 
@@ -104,3 +105,31 @@ def test_dpo_ipo_and_errors():
         compute_dpo_loss(*dpo_inputs(), loss_type="ipo", label_smoothing=0.1)
     with pytest.raises(ValueError, match=r"shape \(B,\)"):
         compute_dpo_loss(*(t.unsqueeze(0) for t in dpo_inputs()))
+
+
+def test_bradley_terry_loss_equals_hand_numbers():
+    """-log sigmoid(margin) = log(1 + exp(-margin)); margins 1, -2 and a tie (0, not counted as right)."""
+    chosen, rejected = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 2.0, 2.0])
+    per_pair = [math.log1p(math.exp(-1.0)), math.log1p(math.exp(2.0)), math.log(2.0)]  # 0.3133, 2.1269, 0.6931
+    loss, m = bradley_terry_loss(chosen, rejected)
+    assert loss.item() == pytest.approx(sum(per_pair) / 3, rel=1e-6)  # 1.04445
+    assert m["accuracy"] == pytest.approx(1 / 3) and m["margin"] == pytest.approx(-1 / 3)
+    assert m["chosen_score"] == pytest.approx(1.0) and m["rejected_score"] == pytest.approx(4 / 3)
+    # a micro-batch's share of a 4-pair (8-sequence) mini-batch on 2 ranks: sum / 4 pairs * 2
+    share, _ = bradley_terry_loss(chosen, rejected, LossScale(global_seqs=8, dp_size=2))
+    assert share.item() == pytest.approx(sum(per_pair) / 4 * 2, rel=1e-6)  # 1.56667
+
+
+def test_bradley_terry_gradient_and_errors():
+    chosen = torch.tensor([0.5, -1.0], requires_grad=True)
+    rejected = torch.tensor([0.0, 1.0], requires_grad=True)
+    loss, _ = bradley_terry_loss(chosen, rejected)
+    loss.backward()
+    # d/dc of mean -log sigmoid(c - r) = -(1 - sigmoid(c - r)) / P = -sigmoid(r - c) / 2
+    expected = [-1 / (1 + math.exp(0.5)) / 2, -1 / (1 + math.exp(-2.0)) / 2]
+    assert chosen.grad.tolist() == pytest.approx(expected, rel=1e-6)
+    assert rejected.grad.tolist() == pytest.approx([-g for g in expected], rel=1e-6)
+    with pytest.raises(ValueError, match="shape"):
+        bradley_terry_loss(torch.zeros(2, 2), torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="global_seqs must be > 0"):
+        bradley_terry_loss(torch.zeros(2), torch.zeros(2), LossScale(global_seqs=0))
