@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -287,13 +287,16 @@ class PromptLoader:
     """Batches of collated prompts: yields (tensors, non_tensors) as `collate_prompts` returns.
 
     A thin pairing of a `PromptDataset` with a `ResumableBatchSampler`; prompts are already
-    tokenized, so no worker processes are needed. Checkpoint it with `state_dict()`.
+    tokenized, so no worker processes are needed. Checkpoint it with `state_dict()`. `collate`
+    replaces `collate_prompts` for datasets of other items (preference pairs: `collate_pairs`), so
+    they get the same resumable order.
     """
 
     def __init__(self, dataset: PromptDataset, batch_size: int, shuffle: bool = True,
                  seed: int = 0, drop_last: bool = True, num_epochs: int | None = None,
-                 pad_token_id: int | None = None) -> None:
+                 pad_token_id: int | None = None, collate: Callable[..., Any] = collate_prompts) -> None:
         self.dataset = dataset
+        self.collate = collate
         self.pad_token_id = (pad_token_id if pad_token_id is not None
                              else dataset.tokenizer.pad_token_id)
         if self.pad_token_id is None:
@@ -314,7 +317,7 @@ class PromptLoader:
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]]:
         for indices in self.sampler:
-            yield collate_prompts([self.dataset[i] for i in indices], self.pad_token_id)
+            yield self.collate([self.dataset[i] for i in indices], self.pad_token_id)
 
     def state_dict(self) -> dict[str, int]:
         return self.sampler.state_dict()
