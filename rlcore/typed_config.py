@@ -17,6 +17,7 @@ and every failure is one ``ConfigError`` naming the section, the key and what wa
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -35,8 +36,19 @@ def section_schema(cls: type) -> DictConfig:
     for a frozen dataclass, so that Hydra can compose YAMLs over it and a recipe can fill in a value
     (``model.path`` from the warm start); the dataclass instance itself stays frozen."""
     node = OmegaConf.structured(cls)
-    OmegaConf.set_readonly(node, False)
+    _set_writable(node)
     return node
+
+
+def _set_writable(node: DictConfig) -> None:
+    """Clear the read-only flag of ``node`` and of every section nested in it: a frozen dataclass
+    field holding another frozen dataclass (``actor.lora``) gets a read-only flag of its own, which
+    the parent's flag does not override."""
+    OmegaConf.set_readonly(node, False)
+    for key in node.keys():
+        child = node._get_node(key)  # the node itself: indexing would resolve it, or fail on a missing value
+        if isinstance(child, DictConfig):
+            _set_writable(child)
 
 
 def merge_section(cls: type, given: Any, section: str) -> DictConfig:
@@ -86,8 +98,19 @@ def _expected(cls: type, key: str) -> str:
     """' (expected <type>)' for a known field, so a refused value says what would be accepted."""
     node: Any = cls
     for part in key.split("."):
-        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        fields = _field_types(node) if dataclasses.is_dataclass(node) else {}
         if part not in fields:
             return ""
-        node = fields[part].type
+        node = fields[part]
     return f" (expected {node})" if isinstance(node, str) else f" (expected {getattr(node, '__name__', node)})"
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """Field name -> type of a dataclass, string annotations resolved where they can be, so that a
+    nested section (``actor.lora.rank``) is followed into its own dataclass."""
+    raw = {f.name: f.type for f in dataclasses.fields(cls)}
+    try:
+        hints = typing.get_type_hints(cls)
+    except (NameError, TypeError):  # an annotation naming something its module does not define
+        return raw
+    return {name: hints.get(name, t) for name, t in raw.items()}

@@ -82,7 +82,7 @@ class MultiTurnRollout:
                 if session in live:
                     self.router.release(session)
         out = to_dataproto(trajectories, self.pad_token_id, 1.0 if self.settings.greedy else self.settings.temperature)
-        out.meta_info.update({"rollout/gen_time_s": gen_time,
+        out.meta_info.update({**self.settings.log_prob_meta(), "rollout/gen_time_s": gen_time,
                               "rollout/num_generated_tokens": int(out.batch["response_mask"].sum())})
         return out
 

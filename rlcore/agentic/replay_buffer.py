@@ -25,8 +25,9 @@ samples from a slightly older policy. Two things keep that price bounded:
 Rows of different batches rarely share a width (prompt lengths and, for multi-turn rollouts,
 response lengths vary), so the buffer pads on insertion (prompt side on the left, response side on
 the right, the ``rlcore.protocol`` layout) and trims all-padding columns from what it returns.
-Only ``meta_info["temperature"]`` is kept (it gives the log-probs their meaning, so every batch in
-one buffer must share it); per-batch metrics are not row data.
+Only ``meta_info["temperature"]`` and, when present, ``top_k`` / ``top_p`` are kept (they give the
+log-probs their meaning, so every batch in one buffer must share them); per-batch metrics are not
+row data.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ class ReplayBuffer:
         self.capacity, self.max_staleness, self.pad_token_id = capacity, max_staleness, pad_token_id
         self._data: DataProto | None = None
         self.temperature: float | None = None
+        self.filters: dict[str, float] = {}  # top_k / top_p of the buffered log-probs, when they filter
         self.num_added = self.num_dropped_stale = self.num_evicted = 0
 
     def __len__(self) -> int:
@@ -72,7 +74,11 @@ class ReplayBuffer:
         if self.temperature is not None and temperature != self.temperature:
             raise ValueError(f"batch temperature {temperature} differs from the buffer's {self.temperature}: "
                              "rollout_log_probs of different temperatures cannot share one batch")
-        new = DataProto(batch=batch.batch, meta_info={"temperature": temperature},
+        filters = {k: batch.meta_info[k] for k in ("top_k", "top_p") if k in batch.meta_info}
+        if self.temperature is not None and filters != self.filters:
+            raise ValueError(f"batch sampling filters {filters} differ from the buffer's {self.filters}: "
+                             "rollout_log_probs under different top-k / top-p cannot share one batch")
+        new = DataProto(batch=batch.batch, meta_info={"temperature": temperature, **filters},
                         non_tensor_batch={**batch.non_tensor_batch,
                                           "policy_version": np.full(len(batch), policy_version, dtype=np.int64)})
         if self._data is not None:
@@ -83,7 +89,7 @@ class ReplayBuffer:
             t_p, t_r = max(p0, p1), max(r0, r1)
             new = DataProto.concat([pad_rollout(self._data, t_p, t_r, self.pad_token_id),
                                     pad_rollout(new, t_p, t_r, self.pad_token_id)])
-        self._data, self.temperature = new, temperature
+        self._data, self.temperature, self.filters = new, temperature, filters
         self.num_added += len(batch)
         overflow = len(self._data) - self.capacity
         if overflow > 0:

@@ -101,7 +101,7 @@ def generate_prompts(engines: Sequence[AsyncEngine], prompts: DataProto, rollout
     lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.long)
     out = build_output(prompts.select(batch_keys=["input_ids", "attention_mask", "position_ids"]),
                        Generation(responses, lengths, log_probs), engines[0].pad_token_id, time.perf_counter() - start)
-    out.meta_info["temperature"] = 1.0 if settings.greedy else settings.temperature
+    out.meta_info.update(settings.log_prob_meta())  # what the log-probs refer to (the actor reads it)
     return out
 
 

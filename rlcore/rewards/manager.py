@@ -45,6 +45,8 @@ a C call that never releases the GIL (a catastrophic regex) still blocks the wai
 only ``num_workers >= 1`` bounds that.
 
 Config: the ``reward`` section (``RewardConfig``) and ``model.path`` (the tokenizer's directory).
+The section's ``model`` sub-section (``LearnedRewardConfig``) is not read here: it adds a learned
+reward model's score in training (``rlcore.trainer.learned_reward``).
 """
 
 from __future__ import annotations
@@ -74,9 +76,36 @@ from rlcore.rewards.registry import RewardFn, get_reward_fn
 from rlcore.typed_config import read_section
 
 
+LEARNED_COMBINE = ("rm", "sum")
+
+
+@dataclass(frozen=True)
+class LearnedRewardConfig:
+    """The ``reward.model`` sub-section: a learned reward model scoring the training responses
+    (``rlcore.workers.reward_model.RewardModelWorker``, role "rm"). Validation always scores with
+    the rule, so a run is judged by the same number with or without a reward model."""
+
+    path: str | None = None  # a HF sequence-classification directory (recipes.reward_model writes one); null: rule only
+    combine: str = "rm"  # "rm": score = weight * the model's score; "sum": the rule's score + weight * the model's
+    weight: float = 1.0  # factor on the model's score
+    micro_batch_size_per_gpu: int = 4  # rows per reward-model forward on one rank
+    use_dynamic_bsz: bool = False  # micro-batches packed by token count instead
+    max_token_len_per_gpu: int = 16384  # token budget of a dynamic micro-batch
+
+    def __post_init__(self) -> None:
+        if self.combine not in LEARNED_COMBINE:
+            raise ValueError(f"reward.model.combine must be one of {LEARNED_COMBINE}, got {self.combine!r}")
+        if not math.isfinite(self.weight):
+            raise ValueError(f"reward.model.weight must be a finite number, got {self.weight}")
+        for key in ("micro_batch_size_per_gpu", "max_token_len_per_gpu"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"reward.model.{key} must be > 0, got {getattr(self, key)}")
+
+
 @dataclass(frozen=True)
 class RewardConfig:
-    """The ``reward`` section: which rule function scores each row, and where it runs."""
+    """The ``reward`` section: which rule function scores each row, and where it runs; ``model``:
+    a learned reward model beside (or instead of) the rule in training."""
 
     reward_fn: str | None = None  # a registered name, "package.module:function" or "/path/file.py:function";
     #                               null: the function registered under each row's data_source
@@ -85,6 +114,7 @@ class RewardConfig:
     timeout_s: float = 10.0  # seconds one row may take before the call fails
     num_workers: int | None = None  # forked scoring processes per call; null: min(8, CPUs); 0: in the calling process
     extra_keys: list[str] = field(default_factory=list)  # further non-tensor columns passed to the function by name
+    model: LearnedRewardConfig = field(default_factory=LearnedRewardConfig)  # a learned reward model (reward.model.*)
 RESPONSE_PREVIEW_CHARS = 200
 # Keyword arguments the manager itself passes; reward_kwargs and extra_keys may not reuse them.
 _ROW_KWARGS = ("prompt", "data_source")

@@ -9,11 +9,16 @@ Config: a recipe's whole config (dict or OmegaConf); the worker reads ``model`` 
 IS correction) and ``trainer.device``; a key those sections do not have, or a value of the wrong
 type, is a ``ConfigError`` naming it.
 
+LoRA (``actor.lora.rank > 0``, ``rlcore.workers.lora``): the actor trains adapters only, hands
+engines and exports the merged weights, and serves ``compute_ref_log_prob`` itself with the
+adapters off (its frozen base is the reference policy).
+
 Data read: input_ids, attention_mask, position_ids, responses (every method); response_mask,
 old_log_probs (optional for a single-step update), advantages (update_policy), plus ref_log_prob /
 rollout_log_probs when enabled.
-``meta_info["temperature"]`` (default 1.0) divides the logits, as the sampler did, so that
-log-probs describe the distribution the responses were drawn from.
+``meta_info["temperature"]`` (default 1.0) divides the logits, as the sampler did, and
+``meta_info["top_k"]`` / ``["top_p"]`` (set by the rollout when they filter) truncate them the same
+way, so that log-probs describe the distribution the responses were drawn from.
 
 The policy loss (``actor.policy_loss``) is a registered function ``fn(PolicyLossInput, cfg)``
 (``rlcore.algos.losses``); the input carries the micro-batch itself, so a loss can read keys of
@@ -31,6 +36,7 @@ from transformers import AutoModelForCausalLM
 from rlcore.algos.importance import compute_is_weights
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.losses import LossScale, PolicyLossInput, agg_loss, get_policy_loss
+from rlcore.algos.sampling import filter_logits
 from rlcore.algos.stats import entropy_from_logits, logprobs_from_logits, masked_mean
 from rlcore.models.config import ModelConfig, torch_dtype
 from rlcore.protocol import DataProto
@@ -48,12 +54,16 @@ from rlcore.workers.fsdp_utils import (
     response_slice,
     setup_worker,
 )
+from rlcore.workers.lora import lora_scaling, merge_lora_tensors, trainable_parameters, wrap_lora
+from rlcore.workers.moe import MoEActor, micro_share
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 ROLES = ("actor", "ref")
 
 
 class ActorWorker(FSDPTrainWorker):
+    moe: MoEActor | None = None  # set by init_model for an MoE model (rlcore.workers.moe)
+
     def __init__(self, config: Mapping | DictConfig, role: str = "actor") -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -63,34 +73,48 @@ class ActorWorker(FSDPTrainWorker):
         self.model_cfg.require_path()
         self.train_cfg = read_section(config, "actor", ActorConfig)
         self.policy_loss_fn = get_policy_loss(self.train_cfg.policy_loss)
+        self.lora = role == "actor" and self.train_cfg.lora.enabled  # a ref is the base model, never adapted
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), dtype=torch_dtype(model_cfg.dtype))
+        # MoE: frozen routers (actor only) and router-replay hooks; None for a dense model
+        self.moe = MoEActor.build(model, self.role == "actor" and self.train_cfg.freeze_router, self.train_cfg.router_replay)
         if self.role == "ref":
             model.requires_grad_(False)
         elif model_cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora:
+            model = wrap_lora(model, self.train_cfg.lora)  # before sharding: FSDP2 shards the adapters too
         self.module = apply_fsdp2(model, self.device, mixed_precision_policy(model_cfg))
         if self.role == "actor":
-            self.optimizer = build_optimizer(self.module.parameters(), self.train_cfg)
+            self.optimizer = build_optimizer(trainable_parameters(self.module), self.train_cfg)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)
 
     # ------------------------------------------------------------------ forward
     def _forward(self, micro: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs of the response tokens and the logits that scored them, both (B, T_r[, V])."""
         b = micro.batch
-        logits = self.module(
-            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"], use_cache=False
-        ).logits
+        moe_kwargs = {}
+        if self.moe is not None:
+            self.moe.before_forward(micro)  # router replay: this micro-batch's recorded experts
+            moe_kwargs["output_router_logits"] = True
+        out = self.module(
+            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"], use_cache=False,
+            **moe_kwargs,
+        )
+        self._router_logits = out.router_logits if self.moe is not None else None  # for _loss's MoE terms
+        logits = out.logits
         # fp32 for the log-softmax: PPO ratios of bf16 log-probs would be noise
         logits = response_slice(logits, b["responses"].shape[1]).float() / micro.meta_info.get("temperature", 1.0)
+        # the sampler's top-k / top-p too (rlcore.algos.sampling): its log-probs are of the truncated distribution
+        logits = filter_logits(logits, micro.meta_info.get("top_k", 0), micro.meta_info.get("top_p", 1.0), b["responses"])
         return logprobs_from_logits(logits, b["responses"]), logits
 
     def _infer(self, data: DataProto) -> dict[str, torch.Tensor]:
-        data = data.select(batch_keys=INPUT_KEYS)
+        data = data.select(batch_keys=INPUT_KEYS + self._moe_keys(data))
         self.module.eval()
 
         def step(micro: DataProto) -> dict[str, torch.Tensor]:
@@ -99,21 +123,26 @@ class ActorWorker(FSDPTrainWorker):
 
         return forward_micro_batches(self.module, data, self.micro_batches(data), self.device, step)
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, balance=True)  # rows split over ranks by token count (trainer.balance_batch)
     def compute_log_prob(self, data: DataProto) -> DataProto:
         """``old_log_probs`` and ``entropys`` (B, T_r) of the responses, without grad."""
         out = self._infer(data)
         return DataProto.from_dict({"old_log_probs": out["log_prob"], "entropys": out["entropy"]})
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, balance=True)
     def compute_ref_log_prob(self, data: DataProto) -> DataProto:
-        """``ref_log_prob`` (B, T_r) under the reference policy."""
+        """``ref_log_prob`` (B, T_r) under the reference policy: a ref worker's model, or a LoRA
+        actor's frozen base with its adapters switched off (the same weights, without a copy)."""
+        if self.lora:
+            with self.module.disable_adapter():
+                return DataProto.from_dict({"ref_log_prob": self._infer(data)["log_prob"]})
         if self.role != "ref":
-            raise RuntimeError(f"compute_ref_log_prob needs role 'ref', this worker's role is {self.role!r}")
+            raise RuntimeError(f"compute_ref_log_prob needs role 'ref' or a LoRA actor, this worker's role is "
+                               f"{self.role!r} without actor.lora.rank")
         return DataProto.from_dict({"ref_log_prob": self._infer(data)["log_prob"]})
 
     # ------------------------------------------------------------------ update
-    @register(Dispatch.DP_COMPUTE_METRIC)
+    @register(Dispatch.DP_COMPUTE_METRIC, balance=True)  # balanced shards; the loss is DP-invariant (LossScale)
     def update_policy(self, data: DataProto) -> dict[str, float]:
         """PPO epochs over mini-batches of this rank's rows; returns means of the ``actor/*`` metrics.
 
@@ -133,13 +162,30 @@ class ActorWorker(FSDPTrainWorker):
             keys.append("ref_log_prob")
         if cfg.use_rollout_is:
             keys.append("rollout_log_probs")
+        keys += self._moe_keys(data)
         try:
             selected = data.select(batch_keys=list(dict.fromkeys(keys)))
         except KeyError as e:
             hint = (" (it may be left out only when the update is one optimizer step: ppo_epochs=1 and "
                     "ppo_mini_batch_size null or the whole batch)") if "old_log_probs" in str(e) else ""
             raise KeyError(f"update_policy: {e.args[0]}{hint}") from None
-        return self.run_updates(selected, self._loss, prefix="actor")
+        dropped = self._mask_mismatched(selected) if cfg.use_rollout_is and cfg.rollout_is_mode == "mask" else {}
+        return {**self.run_updates(selected, self._loss, prefix="actor"), **dropped}
+
+    def _mask_mismatched(self, data: DataProto) -> dict[str, float]:
+        """``rollout_is_mode=mask``: take the tokens (or sequences) whose IS weight is out of bounds
+        out of ``response_mask`` before the update, so they leave the loss's token / sequence counts
+        too, not only its numerator (a zero weight alone would still dilute the mean). Without
+        ``old_log_probs`` (a single-step update) they come from one forward pass here: the same
+        numbers the update's own, detached, log-probs would be. Returns the masking metrics, which
+        the micro-batches, seeing only the kept tokens, cannot report."""
+        cfg, b = self.train_cfg, data.batch
+        mask = b["response_mask"]
+        old = b["old_log_probs"] if "old_log_probs" in b.keys() else self._infer(data)["log_prob"].to(mask.device)
+        weights, metrics = compute_is_weights(old, b["rollout_log_probs"], mask, cap=cfg.rollout_is_cap,
+                                              level=cfg.rollout_is_level, mode="mask", lower=cfg.rollout_is_lower)
+        b["response_mask"] = mask * (weights > 0).to(mask.dtype)
+        return {f"actor/{k}": v for k, v in metrics.items() if k in ("is/masked_frac", "is/masked_seq_frac")}
 
     def _single_step(self, rows: int) -> bool:
         """Whether updating on ``rows`` rows of this rank takes exactly one optimizer step."""
@@ -158,9 +204,11 @@ class ActorWorker(FSDPTrainWorker):
         is_weights = None
         if cfg.use_rollout_is:
             is_weights, is_metrics = compute_is_weights(
-                old_log_prob, b["rollout_log_probs"], mask, cap=cfg.rollout_is_cap, level=cfg.rollout_is_level
+                old_log_prob, b["rollout_log_probs"], mask, cap=cfg.rollout_is_cap, level=cfg.rollout_is_level,
+                mode=cfg.rollout_is_mode, lower=cfg.rollout_is_lower,
             )
-            metrics.update(is_metrics)
+            # mask mode: _mask_mismatched already took the dropped tokens out; it reports how many
+            metrics.update({k: v for k, v in is_metrics.items() if k not in ("is/masked_frac", "is/masked_seq_frac")})
         inputs = PolicyLossInput(log_prob, old_log_prob, b.get("advantages", None), mask, is_weights, scale, micro)
         loss, pg_metrics = self.policy_loss_fn(inputs, cfg)
         metrics.update(pg_metrics)
@@ -175,10 +223,29 @@ class ActorWorker(FSDPTrainWorker):
             kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)
             loss = loss + cfg.kl_loss_coef * agg_loss(kl, mask, cfg.loss_agg_mode, scale)
             metrics["kl_loss"] = float(masked_mean(kl.detach(), mask))
+        if self.moe is not None:
+            loss = self._add_moe_terms(loss, micro, scale, metrics)
         return loss, metrics
+
+    def _moe_keys(self, data: DataProto) -> list[str]:
+        return self.moe.batch_keys(data) if self.moe is not None else []
+
+    def _add_moe_terms(self, loss: torch.Tensor, micro: DataProto, scale: LossScale,
+                       metrics: dict[str, float]) -> torch.Tensor:
+        """``loss`` plus the coefficients times the load-balancing and z-loss of this forward's router
+        logits (its share of the mini-batch, ``micro_share``); both reported whatever the coefficients."""
+        cfg = self.train_cfg
+        aux, z = self.moe.loss_terms(self._router_logits, micro.batch["attention_mask"])
+        metrics["moe_aux_loss"], metrics["moe_z_loss"] = float(aux.detach()), float(z.detach())
+        return loss + float(micro_share(micro, scale)) * (cfg.moe_aux_loss_coef * aux + cfg.moe_z_loss_coef * z)
 
     # ------------------------------------------------------------------ export
     @register(Dispatch.ONE_TO_ALL)
     def export_hf(self, path: str) -> None:
-        """A HF directory (weights, config, tokenizer) that from_pretrained and vLLM load."""
-        fsdp_utils.export_hf(self.module, self.model_cfg.path, path)
+        """A HF directory (weights, config, tokenizer) that from_pretrained and vLLM load (a LoRA
+        actor's with its adapters merged in)."""
+        fsdp_utils.export_hf(self.module, self.model_cfg.path, path, self.get_full_state_dict())
+
+    def engine_weights(self, named):
+        """A LoRA actor's entries merged into the base model's (``merge_lora_tensors``); a plain one's as they are."""
+        return merge_lora_tensors(named, lora_scaling(self.train_cfg.lora)) if self.lora else named

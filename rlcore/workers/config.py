@@ -8,13 +8,13 @@ reaches a registered loss without a parameter list.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rlcore.algos.importance import IS_LEVELS
+from rlcore.algos.importance import IS_LEVELS, IS_MODES
 from rlcore.algos.kl import KL_KINDS
 from rlcore.algos.losses import LOSS_AGG_MODES, PolicyLossConfig
 
@@ -58,6 +58,41 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """The ``actor.lora`` section: train low-rank adapters (peft's LoRA) instead of every weight.
+
+    Only the adapters get gradients and optimizer state; the frozen base doubles as the reference
+    policy (adapters switched off), and engines and exports get the merged weights W + alpha/rank * B A.
+    """
+
+    rank: int = 0  # adapter rank r; 0: off (full fine-tuning)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    target_modules: Any = "all-linear"  # "all-linear" (every linear but the output head), or module names: [q_proj, v_proj]
+    dropout: float = 0.0  # dropout on the adapters' input while training
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            raise ValueError(f"lora.rank must be >= 0 (0: off), got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"lora.alpha must be > 0, got {self.alpha}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        names = self.target_modules
+        if isinstance(names, str):
+            ok = bool(names)
+        else:
+            ok = isinstance(names, (list, tuple)) and bool(names) and all(isinstance(n, str) and n for n in names)
+            object.__setattr__(self, "target_modules", list(names) if ok else names)  # a ListConfig -> a list
+        if not ok:
+            raise ValueError(f"lora.target_modules must be 'all-linear' or a non-empty list of module names, "
+                             f"got {names!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass(frozen=True)
 class ActorConfig(TrainConfig, PolicyLossConfig):
     """The ``actor`` section: the policy's optimisation, its loss and the loss's extra terms."""
 
@@ -66,18 +101,37 @@ class ActorConfig(TrainConfig, PolicyLossConfig):
     kl_loss_coef: float = 0.001  # weight of that KL term in the loss
     kl_loss_type: str = "low_var_kl"  # the KL estimator (rlcore.algos.kl.KL_KINDS)
     use_rollout_is: bool = False  # truncated IS weights pi_old / pi_rollout on the loss (needs rollout_log_probs)
-    rollout_is_cap: float = 2.0  # truncation of those weights
-    rollout_is_level: str = "token"  # "token" or "sequence" weights
+    rollout_is_cap: float = 2.0  # truncation of those weights (mask mode: the upper bound)
+    rollout_is_level: str = "token"  # "token", "sequence" (product of ratios) or "geometric" (their geometric mean)
+    rollout_is_mode: str = "truncate"  # "truncate": min(w, cap); "mask": drop tokens / sequences with w outside [lower, cap]
+    rollout_is_lower: float | None = None  # mask mode's lower bound; null: 1 / rollout_is_cap
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters instead of full fine-tuning (rank 0: off)
+    # MoE policies only (rlcore.workers.moe); a dense model ignores the coefficients
+    moe_aux_loss_coef: float = 0.0  # loss += coef * load-balancing loss (E * sum f_e P_e; k when balanced)
+    moe_z_loss_coef: float = 0.0  # loss += coef * router z-loss (mean logsumexp(router logits)^2)
+    freeze_router: bool = False  # router weights get no gradient and stay out of the optimizer
+    router_replay: bool = False  # forwards route to the sampled experts (batch key routed_experts: rollout.record_routing)
 
     def __post_init__(self) -> None:
         TrainConfig.__post_init__(self)
         PolicyLossConfig.__post_init__(self)
+        if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
+            raise ValueError(f"moe_aux_loss_coef and moe_z_loss_coef must be >= 0, got "
+                             f"{self.moe_aux_loss_coef}, {self.moe_z_loss_coef}")
         if self.kl_loss_type not in KL_KINDS:
             raise ValueError(f"kl_loss_type {self.kl_loss_type!r} is not one of {list(KL_KINDS)}")
         if self.rollout_is_level not in IS_LEVELS:
             raise ValueError(f"rollout_is_level {self.rollout_is_level!r} is not one of {list(IS_LEVELS)}")
         if self.rollout_is_cap <= 0:
             raise ValueError(f"rollout_is_cap must be > 0, got {self.rollout_is_cap}")
+        if self.rollout_is_mode not in IS_MODES:
+            raise ValueError(f"rollout_is_mode {self.rollout_is_mode!r} is not one of {list(IS_MODES)}")
+        if self.rollout_is_lower is not None:
+            if self.rollout_is_mode != "mask":
+                raise ValueError("rollout_is_lower applies to rollout_is_mode=mask only (truncation has just the cap)")
+            if not 0 < self.rollout_is_lower <= self.rollout_is_cap:
+                raise ValueError(f"rollout_is_lower must be in (0, rollout_is_cap={self.rollout_is_cap}], "
+                                 f"got {self.rollout_is_lower}")
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class CriticWorker(FSDPTrainWorker):
         per_position = self.module(b["input_ids"], b["attention_mask"], b["position_ids"])
         return response_slice(per_position, b["responses"].shape[1]).float()
 
-    @register(Dispatch.DP_COMPUTE_PROTO)
+    @register(Dispatch.DP_COMPUTE_PROTO, balance=True)  # rows split over ranks by token count
     def compute_values(self, data: DataProto) -> DataProto:
         """``values`` (B, T_r), one per response token; 0 on response padding."""
         data = data.select(batch_keys=INPUT_KEYS)
@@ -82,7 +82,7 @@ class CriticWorker(FSDPTrainWorker):
 
         return DataProto.from_dict(forward_micro_batches(self.module, data, self.micro_batches(data), self.device, step))
 
-    @register(Dispatch.DP_COMPUTE_METRIC)
+    @register(Dispatch.DP_COMPUTE_METRIC, balance=True)
     def update_critic(self, data: DataProto) -> dict[str, float]:
         """Clipped value regression towards ``returns``; returns means of the ``critic/*`` metrics."""
         data = data.select(batch_keys=INPUT_KEYS + ["response_mask", "values", "returns"])

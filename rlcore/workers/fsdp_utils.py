@@ -37,13 +37,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
+from rlcore.engines.layout import crop_padding, pad_back
 from rlcore.engines.seeding import set_deterministic
 from rlcore.engines.server import push_buckets
 from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
 from rlcore.models.config import ModelConfig
+from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
+from rlcore.workers.moe import router_mp_policy
 
 
 def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
@@ -97,6 +100,8 @@ def apply_fsdp2(model: nn.Module, device: torch.device,
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:
         raise ValueError(f"found no decoder layers to shard in {type(model).__name__} (classes {sorted(layer_classes)})")
+    for router in router_modules(model):  # MoE: each router its own unit, in fp32 (rlcore.workers.moe)
+        fully_shard(router, mesh=mesh, mp_policy=router_mp_policy(mp_policy))
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
@@ -119,13 +124,14 @@ def iter_full_tensors(model: nn.Module):
         yield name, full.detach().to("cpu")
 
 
-def export_hf(model: nn.Module, src_dir: str, out_dir: str) -> None:
+def export_hf(model: nn.Module, src_dir: str, out_dir: str, state: dict[str, torch.Tensor] | None = None) -> None:
     """Write ``model`` as a HF directory that ``from_pretrained`` and vLLM load. Collective.
 
-    Rank 0 saves the full state dict through ``save_pretrained`` of a weightless (meta) copy of
-    the architecture, then copies the tokenizer and generation files of the source directory.
+    Rank 0 saves the full state dict (``state`` when given: rank 0's full weights under the source
+    architecture's names, e.g. a LoRA actor's merged ones) through ``save_pretrained`` of a weightless
+    (meta) copy of the architecture, then copies the tokenizer and generation files of the source directory.
     """
-    state = full_state_dict(model)
+    state = full_state_dict(model) if state is None else state
     if dist.get_rank() == 0:
         config = AutoConfig.from_pretrained(src_dir)
         with torch.device("meta"):
@@ -207,15 +213,31 @@ def forward_micro_batches(module: nn.Module, data: DataProto, indices: list[np.n
                           fn: Callable[[DataProto], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Run ``fn`` on each micro-batch without grad; concatenate its outputs back in row order, on CPU.
 
+    Each micro-batch is cropped to its own rows' width first (``load_micro_batch``); ``fn``'s
+    per-response-token outputs come back at the batch's width, zeros where the crop dropped padding.
+
     Then reshard ``module``: FSDP2 leaves the root's parameters gathered after a forward, for the
     backward that usually follows; here none follows, and (with mixed precision, in bf16) the
     gathered copies would otherwise stay in memory until the next call.
     """
-    parts = [{k: v.cpu() for k, v in fn(data[ix].to(device)).items()} for ix in indices]
+    parts = []
+    for ix in indices:
+        micro, right = load_micro_batch(data, ix, device)
+        width = micro.batch["responses"].shape[1] if "responses" in micro.batch.keys() else 0
+        parts.append({k: v.cpu() for k, v in pad_back(fn(micro), width, right).items()})
     module.reshard()
     order = np.concatenate(indices)
     inverse = torch.from_numpy(np.argsort(order))
     return {k: torch.cat([p[k] for p in parts])[inverse] for k in parts[0]}
+
+
+def load_micro_batch(data: DataProto, ix: np.ndarray, device: torch.device) -> tuple[DataProto, int]:
+    """Rows ``ix`` on ``device``, without the columns that are padding in all of them
+    (``crop_padding``), and how many response columns were dropped on the right. Every forward and
+    loss of the workers runs on such a micro-batch: with skewed lengths a micro-batch of short rows
+    then costs what its rows need, not the whole batch's padded width."""
+    micro, _, right = crop_padding(data[ix].to(device))
+    return micro, right
 
 
 def response_slice(per_position: torch.Tensor, response_len: int) -> torch.Tensor:
@@ -240,11 +262,18 @@ def all_reduce_mean(value: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------- checkpoints
+# Checkpoints hold the parameters that train: frozen ones (a LoRA actor's base) never change and
+# come back from model.path at init, so a LoRA checkpoint is its adapters and their optimizer state.
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+
+
 def save_checkpoint(path: str, model: nn.Module, optimizer, extra: dict[str, Any]) -> None:
-    """Sharded model + optimizer through torch.distributed.checkpoint (reloadable on another world
-    size), plus this rank's ``extra`` (LR schedule, counters) and RNG states. Collective."""
+    """Sharded model (its trainable parameters) + optimizer through torch.distributed.checkpoint
+    (reloadable on another world size), plus this rank's ``extra`` (LR schedule, counters) and RNG
+    states. Collective."""
     os.makedirs(path, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
+    model_sd, optim_sd = (get_state_dict(model, optimizer, options=TRAINED_ONLY) if optimizer is not None
+                          else (get_model_state_dict(model, options=TRAINED_ONLY), None))
     state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
     _named_write(path, lambda: dcp.save(state, checkpoint_id=path))
     rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
@@ -271,15 +300,23 @@ def load_checkpoint(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
     extra_file = os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt")
     if not os.path.exists(extra_file):
         raise FileNotFoundError(f"{extra_file} is missing: not a checkpoint of this worker, or saved with fewer ranks")
+    # Frozen parameters are not in the checkpoint (TRAINED_ONLY), so the load cannot be strict;
+    # dcp.load already fails on a trainable one the checkpoint lacks, and the check below on the rest.
+    loading = StateDictOptions(ignore_frozen_params=True, strict=False)
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED_ONLY)
         state = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        result = set_state_dict(model, optimizer, model_state_dict=state["model"],
+                                optim_state_dict=state["optimizer"], options=loading)
     else:
-        state = {"model": get_model_state_dict(model)}
+        state = {"model": get_model_state_dict(model, options=TRAINED_ONLY)}
         dcp.load(state, checkpoint_id=path)
-        set_model_state_dict(model, state["model"])
+        result = set_model_state_dict(model, state["model"], options=loading)
+    trained = set(get_model_state_dict(model, options=TRAINED_ONLY)) if result.missing_keys else set()
+    if set(result.missing_keys) & trained or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint {path} does not fit the model: missing trainable "
+                           f"{sorted(set(result.missing_keys) & trained)[:5]}, unexpected {result.unexpected_keys[:5]}")
     extra = torch.load(extra_file, weights_only=False)
     rng = extra.pop("rng")
     torch.set_rng_state(rng["torch"])
@@ -318,7 +355,9 @@ class FSDPTrainWorker(Worker):
         ``loss_fn(micro, scale)`` (``scale`` a ``LossScale``) returns this micro-batch's
         contribution to the global mini-batch loss (``agg_loss``'s contract): backward of the plain
         sum over micro-batches, with FSDP averaging over ranks, gives the gradient of the global
-        mean whatever the split. The reported ``loss`` is that global value.
+        mean whatever the split. The reported ``loss`` is that global value. Each micro-batch is
+        cropped to its rows' own width (``load_micro_batch``); ``scale`` keeps the mini-batch's
+        counts and response width, so the loss does not depend on the crop.
         """
         if self.optimizer is None:
             raise RuntimeError(f"{type(self).__name__} has no optimizer (role {getattr(self, 'role', '?')!r}, "
@@ -333,10 +372,12 @@ class FSDPTrainWorker(Worker):
         seed = cfg.seed + self.update_calls
         for mini in data.make_iterator(global_rows // ws, cfg.ppo_epochs, seed=seed, shuffle=cfg.shuffle):
             tokens, seqs = global_counts(mini.batch["response_mask"], self.device)
-            scale = LossScale(global_tokens=tokens, global_seqs=seqs, dp_size=ws)
+            # norm_len: the mini-batch's response width, whatever width each cropped micro-batch has
+            width = mini.batch["responses"].shape[1] if "responses" in mini.batch.keys() else None
+            scale = LossScale(global_tokens=tokens, global_seqs=seqs, dp_size=ws, norm_len=width)
             total = torch.zeros((), device=self.device)
             for ix in self.micro_batches(mini):
-                loss, micro_metrics = loss_fn(mini[ix].to(self.device), scale)
+                loss, micro_metrics = loss_fn(load_micro_batch(mini, ix, self.device)[0], scale)
                 loss.backward()
                 total += loss.detach()
                 for k, v in micro_metrics.items():
@@ -363,10 +404,15 @@ class FSDPTrainWorker(Worker):
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
 
+    def engine_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """What engines and HF exports load, from the module's own (full) state-dict entries: the same
+        entries here; a LoRA actor merges its adapters in (``rlcore.workers.lora``)."""
+        return named
+
     @register(Dispatch.COLLECTIVE_RANK_ZERO)
     def get_full_state_dict(self) -> dict[str, torch.Tensor]:
-        """{name: full CPU tensor} from rank 0 (every rank takes part in the gather)."""
-        return full_state_dict(self.module)
+        """{HF name: full CPU tensor} from rank 0 (every rank takes part in the gather)."""
+        return dict(self.engine_weights(full_state_dict(self.module).items()))
 
     @register(Dispatch.COLLECTIVE_RANK_ZERO)
     def push_weights(self, engines: list, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -380,4 +426,5 @@ class FSDPTrainWorker(Worker):
             for _ in tensors:  # the same gathers in the same order as rank 0
                 pass
             return {}
-        return push_buckets(engines, pack_buckets(tensors, bucket_bytes), version, in_flight, timeout_s)
+        return push_buckets(engines, pack_buckets(self.engine_weights(tensors), bucket_bytes), version, in_flight,
+                            timeout_s)

@@ -110,7 +110,7 @@ class RolloutWorker(Worker):
         Output keys: prompts, responses, response_mask, input_ids, attention_mask, position_ids,
         rollout_log_probs, the input's non-tensor fields (repeated like the rows), and meta_info
         with the input's entries plus "temperature" (the one the log-probs refer to, 1.0 when
-        greedy), "rollout/gen_time_s", "rollout/tokens_per_s" and "rollout/num_generated_tokens":
+        greedy) and "top_k" / "top_p" when those filters are on, "rollout/gen_time_s", "rollout/tokens_per_s" and "rollout/num_generated_tokens":
         this rank's here, the whole group's once collected (see ``_collect_generations``).
         """
         engine = self._require_engine()
@@ -125,9 +125,9 @@ class RolloutWorker(Worker):
         start = time.perf_counter()
         gen = engine.generate(rows.batch["input_ids"], rows.batch["attention_mask"], rows.batch["position_ids"], settings)
         out = build_output(rows, gen, engine.pad_token_id, time.perf_counter() - start)
-        # The temperature rollout_log_probs refer to (greedy ones are plain softmax); the actor's
-        # compute_log_prob reads it from meta_info, so old_log_probs describe the same distribution.
-        out.meta_info["temperature"] = 1.0 if settings.greedy else settings.temperature
+        # The temperature and top-k / top-p rollout_log_probs refer to (greedy ones are plain
+        # softmax); the actor reads them from meta_info, so old_log_probs describe the same distribution.
+        out.meta_info.update(settings.log_prob_meta())
         return out
 
     @register(dispatch_mode=DP_COMPUTE_EPISODES)

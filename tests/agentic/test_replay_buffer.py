@@ -264,3 +264,19 @@ def test_async_loop_reports_producer_end_and_failure(groups, tok):
     with AsyncRolloutLoop(rollout, bad, ReplayBuffer(capacity=8, max_staleness=0)) as loop:
         with pytest.raises(RuntimeError, match="producer failed.*position_ids"):
             loop.pop_batch(4, timeout=60)
+
+
+def test_sampling_filters_travel_with_the_rows_and_must_match():
+    """top_k / top_p give rollout_log_probs their meaning (the actor scores under them), like the
+    temperature: kept in meta_info, and batches under other filters are refused."""
+    buf = ReplayBuffer(capacity=10, max_staleness=10)
+    first = simple([0, 1])
+    first.meta_info.update(top_k=5, top_p=0.9)
+    buf.add(first, policy_version=0)
+    unfiltered = simple([2])
+    with pytest.raises(ValueError, match="sampling filters"):
+        buf.add(unfiltered, policy_version=0)
+    second = simple([3])
+    second.meta_info.update(top_k=5, top_p=0.9)
+    buf.add(second, policy_version=0)
+    assert buf.pop_batch(3, current_version=0).meta_info == {"temperature": 1.0, "top_k": 5, "top_p": 0.9}

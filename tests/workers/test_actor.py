@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.algos.losses import PolicyLossConfig, PolicyLossInput, get_policy_loss, register_policy_loss
 from rlcore.engines.base import RolloutConfig
+from rlcore.engines.layout import crop_padding
 from rlcore.models.config import ModelConfig
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, RayResourcePool, RayWorkerGroup, WorkerError
 from rlcore.typed_config import ConfigError, read_section
@@ -58,7 +59,8 @@ def hf_model(path, state=None):
 
 
 def hand_log_probs(model, data, temperature=1.0):
-    """log softmax at the position before each response token, gathered at that token; entropy there."""
+    """log softmax at the position before each response token, gathered at that token; entropy there.
+    Both 0 at response padding: see ``valid``."""
     b = data.batch
     prompt_width, (n, response_width) = b["prompts"].shape[1], b["responses"].shape
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
@@ -67,7 +69,15 @@ def hand_log_probs(model, data, temperature=1.0):
         step = torch.log_softmax(logits[:, prompt_width - 1 + t] / temperature, dim=-1)
         log_probs[:, t] = step.gather(1, b["responses"][:, t : t + 1]).squeeze(1)
         entropy[:, t] = -(step.exp() * step).sum(-1)
-    return log_probs, entropy
+    return valid(log_probs, data), valid(entropy, data)
+
+
+def valid(per_token, data):
+    """``per_token`` (B, T_r) with 0 at response padding. The worker crops each micro-batch to its
+    rows' own width (``crop_padding``): past a micro-batch's longest response it returns 0, and inside
+    it a short row's padding columns depend on which rows share the micro-batch; no caller reads
+    either, so tests compare valid positions only."""
+    return per_token * data.batch["response_mask"]
 
 
 def with_old_log_probs(wg, data):
@@ -81,15 +91,16 @@ def test_compute_log_prob_matches_hand_computation(actor_group, tiny_model_dir, 
     expected_lp, expected_entropy = hand_log_probs(model, data)
     out = actor_group.compute_log_prob(data)
     assert out.batch["old_log_probs"].shape == (4, 6)
-    torch.testing.assert_close(out.batch["old_log_probs"], expected_lp, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out.batch["entropys"], expected_entropy, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(valid(out.batch["old_log_probs"], data), expected_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(valid(out.batch["entropys"], data), expected_entropy, atol=1e-5, rtol=1e-5)
 
 
 def test_temperature_divides_logits(local_actor, tiny_model_dir, make_batch):
     data = make_batch()
     data.meta_info["temperature"] = 0.5
     expected, _ = hand_log_probs(hf_model(tiny_model_dir, local_actor.get_full_state_dict()), data, temperature=0.5)
-    torch.testing.assert_close(local_actor.compute_log_prob(data).batch["old_log_probs"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(valid(local_actor.compute_log_prob(data).batch["old_log_probs"], data), expected,
+                               atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------------------------------ updates
@@ -122,7 +133,8 @@ def test_update_is_dp_invariant_and_equals_global_token_mean_gradient(ray_actor,
     naive_gap = torch.linalg.vector_norm(torch.stack([(g - e).norm() for g, e in zip(naive_grads, expected_grads)]))
     assert naive_gap > 0.1 * expected_norm  # the naive per-rank mean is measurably wrong here
 
-    ray_metrics, local_metrics = ray_actor.update_policy(data), local_actor.update_policy(data)
+    # the plain contiguous split keeps the skew described above (a balanced one: tests/workers/test_balance_dp.py)
+    ray_metrics, local_metrics = ray_actor.update_policy.options(balance=False)(data), local_actor.update_policy(data)
     assert len(ray_metrics) == 2 and len(local_metrics) == 1
     for m in ray_metrics + local_metrics:
         assert m["actor/grad_norm"] == pytest.approx(expected_norm, rel=1e-5)
@@ -133,6 +145,34 @@ def test_update_is_dp_invariant_and_equals_global_token_mean_gradient(ray_actor,
         after = wg.get_full_state_dict()
         for name, value in expected_after.items():
             torch.testing.assert_close(after[name], value, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_micro_batches_cropped_to_their_rows_give_the_full_width_results(tiny_model_dir, make_batch):
+    """Skewed rows, one per micro-batch (each cropped to its own length, ``crop_padding``) against
+    one micro-batch of all four (the batch's full width, nothing to crop): the same log-probs and
+    entropies at valid positions, and one update with the same loss, grad norm and weights. The
+    loss is Dr. GRPO's seq-mean-token-sum-norm, which divides by the response width: the
+    mini-batch's 6 (LossScale.norm_len), not a cropped micro-batch's own."""
+    data = make_batch(prompt_lens=(5, 1, 2, 1), response_lens=(1, 6, 2, 1), seed=3)
+    assert crop_padding(data[[3]])[0].batch["input_ids"].shape == (1, 2)  # row 3: 1 prompt + 1 response token
+    kw = {"loss_agg_mode": "seq-mean-token-sum-norm", "entropy_coeff": 0.01, "use_kl_loss": True}
+    groups = [LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir, ppo_micro_batch_size_per_gpu=n,
+                                                                           **kw)), 1) for n in (1, 4)]
+    for wg in groups:
+        wg.init_model()
+    cropped, full = (wg.compute_log_prob(data) for wg in groups)
+    for key in ("old_log_probs", "entropys"):
+        assert cropped.batch[key].shape == (4, 6)
+        torch.testing.assert_close(valid(cropped.batch[key], data), valid(full.batch[key], data), atol=1e-6, rtol=1e-6)
+    assert cropped.batch["old_log_probs"][0, 1:].abs().sum() == 0  # row 0's micro-batch ended after 1 token
+    data = data.union(full)
+    data.batch["ref_log_prob"] = data.batch["old_log_probs"] - 0.1
+    metrics = [wg.update_policy(data)[0] for wg in groups]
+    for key in ("actor/loss", "actor/grad_norm"):
+        assert metrics[0][key] == pytest.approx(metrics[1][key], rel=1e-5), key
+    after = [wg.get_full_state_dict() for wg in groups]
+    for name, value in after[1].items():
+        torch.testing.assert_close(after[0][name], value, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_update_raises_log_probs_of_positive_advantage_tokens(actor_group, make_batch):
@@ -205,7 +245,8 @@ def test_dynamic_batch_size_gives_the_same_results(tiny_model_dir, make_batch):
     for wg in groups:
         wg.init_model()
     fixed, dynamic = (with_old_log_probs(wg, make_batch()) for wg in groups)
-    torch.testing.assert_close(dynamic.batch["old_log_probs"], fixed.batch["old_log_probs"], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(valid(dynamic.batch["old_log_probs"], fixed), valid(fixed.batch["old_log_probs"], fixed),
+                               atol=1e-6, rtol=1e-6)
     norms = [wg.update_policy(d)[0]["actor/grad_norm"] for wg, d in zip(groups, (fixed, dynamic))]
     assert norms[1] == pytest.approx(norms[0], rel=1e-5)
 
@@ -251,7 +292,8 @@ def test_reference_role(tiny_model_dir, make_batch):
     ref = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir), role="ref"), 1)
     ref.init_model()
     expected, _ = hand_log_probs(hf_model(tiny_model_dir), data)
-    torch.testing.assert_close(ref.compute_ref_log_prob(data).batch["ref_log_prob"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(valid(ref.compute_ref_log_prob(data).batch["ref_log_prob"], data), expected,
+                               atol=1e-5, rtol=1e-5)
     with pytest.raises(WorkerError, match="has no optimizer"):
         ref.update_policy(with_old_log_probs(ref, data))
 
@@ -362,4 +404,5 @@ def test_export_hf_loads_with_from_pretrained(ray_actor, make_batch, tmp_path):
     ids = data.batch["input_ids"]
     assert torch.equal(exported(ids).logits, reference(ids).logits)
     expected, _ = hand_log_probs(exported, data)
-    torch.testing.assert_close(ray_actor.compute_log_prob(data).batch["old_log_probs"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(valid(ray_actor.compute_log_prob(data).batch["old_log_probs"], data), expected,
+                               atol=1e-5, rtol=1e-5)
