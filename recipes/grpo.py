@@ -8,12 +8,15 @@ colocated in one process per rank (the hybrid engine).
 Per step, for a batch of prompts:
     sample rollout.n responses per prompt from the current policy          generate
     score each response with the rule reward (on its last token)           reward
+      (with reward.model.path: a learned reward model's score, or the sum: rlcore.trainer.learned_reward)
     log-probs of the responses under the current policy, and the ref       old / ref log-probs
       (old ones only when the update takes several optimizer steps: see needs_old_log_prob)
     advantage = (score - mean of its prompt's group) / std of that group   advantages
     clipped policy-gradient step with a KL(pi || ref) loss term            update
     the rollout engine loads the new weights                               sync
-No critic: the other samples of the same prompt are the baseline.
+No critic: the other samples of the same prompt are the baseline. With algorithm.adv_estimator=remax
+(ReMax, Li et al. 2023) the baseline is instead the reward of one greedy response per prompt,
+generated and scored each step beside the samples (and not trained on).
 """
 
 from __future__ import annotations
@@ -23,9 +26,17 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from rlcore.rewards.manager import RuleRewardManager
-from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
+from rlcore.trainer.advantage import (
+    build_kl_controller,
+    compute_advantage,
+    compute_rewards,
+    greedy_baselines,
+    greedy_prompts,
+    needs_old_log_prob,
+)
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
+from rlcore.trainer.learned_reward import reward_roles, training_reward
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
 from rlcore.trainer.warmstart import warm_start
@@ -42,17 +53,23 @@ def train(cfg: DictConfig) -> TrainingRun:
     loader, val_batches = build_data(cfg, tokenizer)
     use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
     use_old = needs_old_log_prob(cfg)  # not for a one-step update: its own log-probs are the old ones
-    workers = build_workers(cfg, ["actor", "rollout"] + (["ref"] if use_ref else []))
-    reward_fn = RuleRewardManager.from_config(cfg)
+    workers = build_workers(cfg, ["actor", "rollout"] + (["ref"] if use_ref else []) + reward_roles(cfg))
+    rule_fn = RuleRewardManager.from_config(cfg)  # validation's score, with or without a reward model
+    reward_fn = training_reward(cfg, rule_fn, workers)  # the rule; with reward.model.path the model's score (+ rule)
     kl_ctrl = build_kl_controller(cfg.algorithm)  # with algorithm.use_kl_in_reward: the penalty's coefficient
     state = {"kl_ctrl": kl_ctrl} if cfg.algorithm.use_kl_in_reward else {}
-    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn), state) as run:
+    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, rule_fn), state) as run:
         for step in run.steps():
             prompts = run.next_prompts()
             with run.timer("gen"):
                 batch = workers.rollout.generate_sequences(prompts)
             with run.timer("reward"):
                 batch.union(reward_fn(batch))
+            if cfg.algorithm.adv_estimator == "remax":  # baseline: the reward of each prompt's greedy response
+                with run.timer("gen_greedy"):
+                    greedy = workers.rollout.generate_sequences(greedy_prompts(prompts))
+                    greedy.union(reward_fn(greedy))
+                batch.batch["reward_baselines"] = greedy_baselines(batch, greedy)  # greedy rows: not trained on
             if use_old:
                 with run.timer("old_log_prob"):
                     batch.union(workers.actor.compute_log_prob(batch))

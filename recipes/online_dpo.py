@@ -60,8 +60,8 @@ def train(cfg: DictConfig) -> TrainingRun:
                 pairs.meta_info.update(dpo_beta=cfg.algorithm.dpo_beta, dpo_loss_type=cfg.algorithm.dpo_loss_type)
                 with run.timer("ref"):
                     pairs.union(workers.ref.compute_ref_log_prob(pairs))
-                with run.timer("update_actor"):
-                    metrics.update(mean_over_ranks(workers.actor.update_policy(pairs)))
+                with run.timer("update_actor"):  # contiguous split: a balanced one would break up the pairs
+                    metrics.update(mean_over_ranks(workers.actor.update_policy.options(balance=False)(pairs)))
                 with run.timer("sync_weights"):
                     workers.rollout.sync_weights()
             run.end_step(step, metrics, batch)

@@ -8,6 +8,7 @@ actor, critic, rollout and reference colocated in one process per rank (the hybr
 Per step, for a batch of prompts:
     sample rollout.n responses per prompt from the current policy          generate
     score each response with the rule reward (on its last token)           reward
+      (with reward.model.path: a learned reward model's score, or the sum: rlcore.trainer.learned_reward)
     log-probs under the sampling policy and under the frozen reference     old / ref log-probs
     the critic's value of every response prefix                            values
     rewards = scores - beta * KL(pi_old || ref) per token, beta adapted    KL penalty
@@ -26,6 +27,7 @@ from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards
 from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
+from rlcore.trainer.learned_reward import reward_roles, training_reward
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
 from rlcore.trainer.warmstart import warm_start
@@ -41,10 +43,11 @@ def train(cfg: DictConfig) -> TrainingRun:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     loader, val_batches = build_data(cfg, tokenizer)
     use_ref = cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-    workers = build_workers(cfg, ["actor", "critic", "rollout"] + (["ref"] if use_ref else []))
-    reward_fn = RuleRewardManager.from_config(cfg)
+    workers = build_workers(cfg, ["actor", "critic", "rollout"] + (["ref"] if use_ref else []) + reward_roles(cfg))
+    rule_fn = RuleRewardManager.from_config(cfg)  # validation's score, with or without a reward model
+    reward_fn = training_reward(cfg, rule_fn, workers)  # the rule; with reward.model.path the model's score (+ rule)
     kl_ctrl = build_kl_controller(cfg.algorithm)
-    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, reward_fn),
+    with TrainingRun(cfg, workers, loader, lambda: validate(workers.rollout, val_batches, rule_fn),
                       state={"kl_ctrl": kl_ctrl}) as run:
         for step in run.steps():
             prompts = run.next_prompts()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from omegaconf import DictConfig
 
 from rlcore.algos.advantages import get_advantage_estimator
@@ -30,6 +31,27 @@ def needs_old_log_prob(cfg: DictConfig) -> bool:
     rows = cfg.data.train_batch_size * cfg.rollout.n
     single_step = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size in (None, rows)
     return cfg.algorithm.use_kl_in_reward or not single_step
+
+
+def greedy_prompts(prompts: DataProto) -> DataProto:
+    """The same prompts marked for one greedy response each: ReMax's baseline (Li et al. 2023) is the
+    reward of the response the policy would give without sampling."""
+    return DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch),
+                     meta_info={**prompts.meta_info, "do_sample": False, "n": 1})
+
+
+def greedy_baselines(batch: DataProto, greedy: DataProto, uid_key: str = "uid") -> torch.Tensor:
+    """``reward_baselines`` (B,) for ReMax: each sampled row gets the score (``reward_scores``) of
+    its prompt's greedy response, matched by ``uid``. The greedy rows only give this number; they
+    are never trained on."""
+    score_of = dict(zip(greedy.non_tensor_batch[uid_key].tolist(), greedy.batch["reward_scores"].tolist()))
+    if len(score_of) != len(greedy):
+        raise ValueError(f"greedy responses must be one per prompt: {len(greedy)} rows for {len(score_of)} uids")
+    uids = batch.non_tensor_batch[uid_key].tolist()
+    missing = sorted(set(uids) - score_of.keys())
+    if missing:
+        raise KeyError(f"no greedy response for prompt uid(s) {missing[:5]}")
+    return torch.tensor([score_of[u] for u in uids], dtype=torch.float32)
 
 
 def build_kl_controller(algo: DictConfig) -> FixedKLController | AdaptiveKLController:

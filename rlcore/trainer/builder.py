@@ -1,7 +1,7 @@
 """Build what a recipe runs on from its config: the worker groups and the prompt data.
 
-Worker groups. Every role a recipe asks for (actor, ref, rollout, critic) lives in one process per
-rank: the "hybrid engine", where the rollout engine loads the actor's new weights in memory
+Worker groups. Every role a recipe asks for (actor, ref, rollout, critic, rm: a learned reward
+model, see ``rm_is_trained``) lives in one process per rank: the "hybrid engine", where the rollout engine loads the actor's new weights in memory
 (``rollout.sync_weights()``) and the roles take turns on the same device. One colocated group is
 built, then ``spawn`` gives a per-role view of it, so a recipe calls ``workers.actor.update_policy``
 and never sees role prefixes. ``trainer.backend`` picks where the ranks live:
@@ -44,9 +44,10 @@ from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, Worker
 from rlcore.trainer.config import to_plain
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
+from rlcore.workers.reward_model import RewardModelWorker
 from rlcore.workers.rollout import RolloutWorker
 
-ROLES = ("actor", "ref", "critic", "rollout")  # also the order in which they are initialised
+ROLES = ("actor", "ref", "critic", "rm", "rollout")  # also the order in which they are initialised
 BACKENDS = ("ray", "local")
 # Ray forwards every worker's output to the driver's console, interleaved with the per-step line:
 # no per-load progress bars, no per-step vLLM info lines (warnings and errors still show).
@@ -62,13 +63,16 @@ class Workers:
     ref: WorkerGroup | None = None
     critic: WorkerGroup | None = None
     rollout: WorkerGroup | None = None
+    rm: WorkerGroup | None = None  # a learned reward model: frozen scorer, or the reward-model recipe's trained one
     pool: Any = None  # the RayResourcePool of a Ray group
     roles: list[str] = field(default_factory=list)
+    rm_trained: bool = False  # the rm role trains (recipes/reward_model.py), so it has checkpoints
 
     @property
     def trained(self) -> dict[str, WorkerGroup]:
-        """Roles with weights that change, hence with checkpoints: actor and critic."""
-        return {r: getattr(self, r) for r in ("actor", "critic") if getattr(self, r) is not None}
+        """Roles with weights that change, hence with checkpoints: actor and critic (and a trained rm)."""
+        trained = ("actor", "critic", "rm") if self.rm_trained else ("actor", "critic")
+        return {r: getattr(self, r) for r in trained if getattr(self, r) is not None}
 
     def shutdown(self) -> None:
         self.group.shutdown()
@@ -76,11 +80,20 @@ class Workers:
             self.pool.shutdown()
 
 
+def rm_is_trained(config: Mapping) -> bool:
+    """Whether a run's "rm" role is the reward model it trains: in a run with the ``reward_model``
+    section (its optimisation, ``recipes/reward_model.py``) it starts from ``model.path`` and trains;
+    in any other run it is the frozen scorer of ``reward.model.path``."""
+    return "reward_model" in config
+
+
 def _role_class(role: str, config: dict, classes: Mapping[str, type]) -> ClassWithInitArgs:
     if role in classes:
         return ClassWithInitArgs(classes[role], config)
     if role in ("actor", "ref"):
         return ClassWithInitArgs(ActorWorker, config, role=role)
+    if role == "rm":
+        return ClassWithInitArgs(RewardModelWorker, config, trainable=rm_is_trained(config))
     return ClassWithInitArgs({"critic": CriticWorker, "rollout": RolloutWorker}[role], config)
 
 
@@ -147,15 +160,24 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
     ``classes`` replaces the worker class of a role (e.g. an actor subclass with an extra method).
     """
     bad = [r for r in roles if r not in ROLES]
-    if bad or "actor" not in roles:
-        raise ValueError(f"roles must include 'actor' and come from {ROLES}, got {list(roles)}")
+    if bad or not {"actor", "rm"} & set(roles):
+        raise ValueError(f"roles must include 'actor' (or 'rm', to train a reward model) and come from {ROLES}, "
+                         f"got {list(roles)}")
     config = _worker_config(cfg)
-    colocated = create_colocated_worker_cls({r: _role_class(r, config, classes or {}) for r in roles})
+    # A LoRA actor is its own reference (adapters off, rlcore.workers.lora): no second copy of the weights.
+    lora_ref = ("ref" in roles and "ref" not in (classes or {})
+                and OmegaConf.select(cfg, "actor.lora.rank", default=0) > 0)
+    built = [r for r in roles if not (lora_ref and r == "ref")]
+    colocated = create_colocated_worker_cls({r: _role_class(r, config, classes or {}) for r in built})
     group, pool = _placed_group(cfg, colocated)
-    views = group.spawn(list(roles))
-    workers = Workers(group=group, pool=pool, roles=list(roles), **views)
+    views = group.spawn(built)
+    for view in [group, *views.values()]:  # methods registered balance=True split by token count, or not
+        view.balance_dp = cfg.trainer.balance_batch
+    if lora_ref:
+        views["ref"] = views["actor"]
+    workers = Workers(group=group, pool=pool, roles=built, rm_trained=rm_is_trained(config), **views)
     for role in ROLES:  # the actor first: it joins torch.distributed, which the others then share
-        if role in views:
+        if role in built:
             views[role].init_model()
     return workers
 

@@ -50,6 +50,7 @@ class TrainerConfig:
     nnodes: int = 1  # nodes of the resource pool
     procs_per_node: int = 1  # ranks per node (one per GPU on GPU machines); "local" needs 1
     cpus_per_proc: float = 1.0  # CPUs Ray reserves per rank (also its torch thread count)
+    balance_batch: bool = True  # split actor/critic/ref/reward-model batches over DP ranks by token count (results in order)
     ray_num_cpus: int | None = None  # CPUs of a Ray instance this run starts; None: all cores
     ray_address: str | None = None  # host:port of a running cluster's GCS; None: RAY_ADDRESS, else a local instance
     ray_connect_timeout_s: float = 30.0  # that address must accept a connection this soon, else the run fails
@@ -119,9 +120,43 @@ class KLControlConfig:
     horizon: int = 10000  # adaptive only
 
 
+FILTER_METRICS = ("score", "reward")
+
+
+@dataclass
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (``recipes/dapo.py``): prompt groups whose responses all score the same
+    are dropped and more prompts are drawn until ``data.train_batch_size`` groups remain."""
+
+    enable: bool = False
+    metric: str = "score"  # "score": the rule reward (accuracy, as in DAPO); "reward": after the overlong penalty
+    max_num_gen_batches: int = 4  # generation rounds per step at most; then the batch is topped up with dropped groups
+
+    def __post_init__(self) -> None:
+        if self.metric not in FILTER_METRICS:
+            raise ValueError(f"algorithm.filter_groups.metric must be one of {FILTER_METRICS}, got {self.metric!r}")
+        if self.max_num_gen_batches < 1:
+            raise ValueError(f"algorithm.filter_groups.max_num_gen_batches must be >= 1, got {self.max_num_gen_batches}")
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO's soft overlong punishment (``rlcore.algos.dapo.overlong_penalty``), added to the score."""
+
+    enable: bool = False
+    len: int = 4  # L_cache: the penalty ramps 0 -> -1 over the last `len` tokens before rollout.max_new_tokens
+    penalty_factor: float = 1.0  # scales that penalty
+
+    def __post_init__(self) -> None:
+        if self.len < 1 or self.penalty_factor < 0:
+            raise ValueError(f"algorithm.overlong_buffer needs len >= 1 and penalty_factor >= 0, got {self.len}, "
+                             f"{self.penalty_factor}")
+
+
 @dataclass
 class AlgorithmConfig:
-    """Driver-side RL math: the advantage estimator and the KL penalty in the reward."""
+    """Driver-side RL math: the advantage estimator, the KL penalty in the reward, DAPO's group filter
+    and length shaping."""
 
     adv_estimator: str = "grpo"  # a name in the advantage registry (rlcore.algos.advantages)
     gamma: float = 1.0
@@ -132,6 +167,9 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     dpo_beta: float = 0.1  # online DPO: strength of the implicit KL to the reference
     dpo_loss_type: str = "sigmoid"  # online DPO: "sigmoid" (DPO) or "ipo"
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False  # DAPO: responses cut at rollout.max_new_tokens (no stop token) get no loss
 
 
 @dataclass
@@ -143,6 +181,7 @@ class WarmStartConfig:
     steps: int = 60  # SFT steps: ~10-20% greedy accuracy on the default arithmetic task
     recipe: str = "recipes.sft"  # the module run as ``python -m <recipe>`` to build it
     timeout_s: float = 1800.0  # the warm start fails if it takes longer
+    arch: str = "llama"  # the tiny model SFT starts from (tiny_model.arch): "llama", "qwen3" or "qwen3_moe"
 
 
 @dataclass
@@ -270,6 +309,11 @@ def load_config(cfg: DictConfig | Mapping, sections: Sequence[str]) -> DictConfi
             ModelConfig(path=out.model.path).require_local_dir()
         except FileNotFoundError as exc:
             raise ConfigError(f"model.path: {exc}") from None
+    if "reward" in sections and out.reward.model.path is not None:
+        try:
+            ModelConfig(path=out.reward.model.path).require_local_dir()
+        except FileNotFoundError as exc:
+            raise ConfigError(f"reward.model.path: {exc}") from None
     if {"trainer", "data"} <= set(sections):
         check_batch_split(out)
     return out

@@ -59,7 +59,8 @@ from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
 
 CONSOLE_KEYS = (
     "critic/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
-    "actor/kl_loss", "actor/reward_kl_penalty", "critic/vf_loss", "sft/nll", "timing_s/step",
+    "actor/kl_loss", "actor/reward_kl_penalty", "critic/vf_loss", "sft/nll", "rm/loss", "rm/accuracy",
+    "val/pair_accuracy", "timing_s/step",
 )
 
 
@@ -179,6 +180,7 @@ class TrainingRun:
         if t.save_freq and step % t.save_freq == 0:
             with self.timer("save_checkpoint"):
                 self.save(step)
+        out.update(self.balance_metrics())
         out.update(self.timer.metrics())
         out["timing_s/step"] = time.perf_counter() - self._step_start
         if batch is not None:
@@ -186,6 +188,20 @@ class TrainingRun:
             out.update(throughput_metrics(self.timer.durations, tokens))
             out["throughput/step"] = tokens / out["timing_s/step"]
         self.tracker.log(out, step=step)
+
+    def balance_metrics(self) -> dict[str, float]:
+        """``balance/<role>/tokens_max_min_{before,after}``: max over min of the tokens per DP rank in
+        this step's last balanced call of each trained role (its update), for the plain contiguous
+        split and for the split used (the same with ``trainer.balance_batch=false``). 1 is perfect;
+        the step waits for the heaviest rank. Nothing with one rank."""
+        out = {}
+        for role, group in self.workers.trained.items():
+            stats, group.last_balance = group.last_balance, None
+            if stats:
+                for when in ("before", "after"):
+                    lo = max(stats[f"tokens_min_{when}"], 1)
+                    out[f"balance/{role}/tokens_max_min_{when}"] = stats[f"tokens_max_{when}"] / lo
+        return out
 
     # ------------------------------------------------------------------ teardown
     def __enter__(self) -> "TrainingRun":

@@ -79,6 +79,7 @@ def train_on_streamed_episodes(cfg: DictConfig, start_runners: StartRunners, des
             columns, metrics = describe(played, step - 1)
             batch = to_dataproto([t for group in played for t in group], tokenizer.pad_token_id, temperature,
                                  {"uid": uid, **columns})
+            batch.meta_info.update(sampling.log_prob_meta())  # top-k / top-p too: the actor scores under them
             if a.max_token_staleness is not None:
                 metrics.update(mask_stale_tokens(batch, step - 1, a.max_token_staleness))
             if needs_old_log_prob(cfg):

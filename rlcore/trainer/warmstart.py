@@ -37,6 +37,8 @@ def warm_start(cfg: DictConfig) -> str:
     w = cfg.warmstart
     data = OmegaConf.to_container(cfg.data, resolve=True)
     what = {"recipe": w.recipe, "steps": w.steps, "data": data}
+    if w.arch != "llama":  # the default arch stays out of the key: caches built before it keep theirs
+        what["arch"] = w.arch
     key = hashlib.sha1(json.dumps(what, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(w.dir).resolve() / key
     marker = folder / "warmstart.json"
@@ -65,7 +67,8 @@ def _run_recipe(cfg: DictConfig, folder: Path, data: dict[str, Any]) -> None:
         f"trainer.total_steps={cfg.warmstart.steps}", f"trainer.output_dir={_value(str(folder))}",
         "trainer.project=sft", "trainer.run_name=run", "trainer.save_freq=0", "trainer.resume=disable",
         "trainer.loggers=[jsonl]", "trainer.backend=local", f"trainer.device={t.device}",
-        f"trainer.cpus_per_proc={t.cpus_per_proc}", *_overrides("data", data),
+        f"trainer.cpus_per_proc={t.cpus_per_proc}", f"tiny_model.arch={_value(cfg.warmstart.arch)}",
+        *_overrides("data", data),
     ]
     log = folder / "warmstart.log"
     folder.mkdir(parents=True, exist_ok=True)

@@ -204,3 +204,21 @@ def test_a_batch_that_does_not_split_fails_before_the_workers_are_built(monkeypa
         cfg = compose("grpo", overrides=["trainer.procs_per_node=3"])  # 64 prompts over 3 ranks
     with pytest.raises(ConfigError, match=r"data.train_batch_size=64 .* trainer.procs_per_node=3"):
         recipes.grpo.train(cfg)
+
+
+def test_a_nested_frozen_section_composes_and_is_checked_like_a_top_level_one():
+    """actor.lora is a frozen dataclass inside a frozen dataclass: Hydra overrides reach it (the schema
+    is writable at every depth), an unknown or ill-typed nested key is refused by its full name, and
+    the error says the type expected."""
+    with initialize_config_dir(config_dir=str(RECIPE_CONFIGS), version_base=None):
+        cfg = compose("grpo", overrides=["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,v_proj]"])
+        assert compose("grpo", overrides=["actor.lora.target_modules=all-linear"]).actor.lora.target_modules == \
+            "all-linear"
+        with pytest.raises(ConfigCompositionException, match=r"actor\.lora\.rnk"):
+            compose("grpo", overrides=["actor.lora.rnk=8"])
+    loaded = load_config(cfg, recipes.grpo.SECTIONS)
+    assert loaded.actor.lora.rank == 8 and list(loaded.actor.lora.target_modules) == ["q_proj", "v_proj"]
+    lora = read_section(to_plain(loaded), "actor", ActorConfig).lora
+    assert (lora.rank, lora.alpha, lora.target_modules) == (8, 16.0, ["q_proj", "v_proj"])
+    with pytest.raises(ConfigError, match=r"config key actor\.lora\.alpha: .*'big'.*\(expected float\)"):
+        load_config({"actor": {"lora": {"alpha": "big"}}}, SECTIONS)
