@@ -15,6 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
     ("benchmarks.agentic", {"lockstep", "async", "bare", "async_over_lockstep", "async_over_bare"}),
     ("benchmarks.weight_sync", {"plain_copy_s", "push_s", "push_over_copy", "peak_bucket_bytes"}),
     ("benchmarks.chat_proxy", {"proxy_requests_per_s", "bare_requests_per_s", "proxy_over_bare_requests"}),
+    ("benchmarks.balance", {"plain_s", "balanced_s", "plain_over_balanced"}),
+    ("benchmarks.lora_memory", {"full_adam_bytes", "lora_adam_bytes", "full_over_lora_adam"}),
 ])
 def test_quick_mode_runs_and_writes_its_json(module, keys, tmp_path):
     out = tmp_path / "result.json"
