@@ -15,6 +15,7 @@ vLLM's ``CompletionOutput`` would hide it, and we never use text.
 
 from __future__ import annotations
 
+import numbers
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -134,11 +135,33 @@ class SamplingSettings:
             values.update(do_sample=False, n=1)
         for key in cls.OVERRIDABLE:
             if key in meta_info:
-                values[key] = meta_info[key]
+                values[key] = _typed_override(key, meta_info[key])
         values["stop"] = _str_tuple(values["stop"], "stop")
         values["stop_token_ids"] = tuple(int(t) for t in values["stop_token_ids"])
         seed = meta_info.get("seed")
         return cls(**values, seed=None if seed is None else int(seed))
+
+
+_OVERRIDE_TYPES = {"temperature": float, "top_p": float, "top_k": int, "max_new_tokens": int, "n": int,
+                   "do_sample": bool, "ignore_eos": bool}
+
+
+def _typed_override(key: str, value: Any) -> Any:
+    """A meta_info sampling override as its field's type, or a TypeError naming it. Why: meta_info is
+    a plain dict a driver fills in by hand, and ``do_sample="no"`` would otherwise be a truthy
+    string that samples, ``n="2"`` a string that fails deep inside an engine."""
+    kind = _OVERRIDE_TYPES.get(key)
+    if kind is None:  # stop / stop_token_ids: normalised by their own helpers
+        return value
+    if kind is bool:
+        if isinstance(value, numbers.Integral) and value in (0, 1):  # True / False, or 0 / 1
+            return bool(value)
+    elif kind is int:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            return int(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return float(value)
+    raise TypeError(f"meta_info[{key!r}] must be a {kind.__name__}, got {type(value).__name__} {value!r}")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """The sections an engine is built from, ``rollout`` (RolloutConfig) and ``model`` (ModelConfig), read
 with ``read_section``: every mistake is a ConfigError naming the section and the key."""
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -75,3 +76,24 @@ def test_per_call_overrides_are_checked_too():
         SamplingSettings.resolve(cfg, {"n": 0})
     with pytest.raises(ValueError, match="top_k must be >= 1, or 0 / -1"):
         SamplingSettings.resolve(cfg, {"top_k": -2})
+
+
+@pytest.mark.parametrize("key, value, expected", [
+    ("do_sample", "no", "meta_info['do_sample'] must be a bool, got str 'no'"),
+    ("ignore_eos", 2, "meta_info['ignore_eos'] must be a bool, got int 2"),
+    ("n", "2", "meta_info['n'] must be a int, got str '2'"),
+    ("max_new_tokens", 4.0, "meta_info['max_new_tokens'] must be a int, got float 4.0"),
+    ("top_k", True, "meta_info['top_k'] must be a int, got bool True"),
+    ("temperature", "0.5", "meta_info['temperature'] must be a float, got str '0.5'"),
+])
+def test_per_call_overrides_are_typed_never_truthy_strings(key, value, expected):
+    """meta_info is a hand-filled dict: do_sample="no" used to sample (a truthy string)."""
+    with pytest.raises(TypeError) as err:
+        SamplingSettings.resolve(rollout(), {key: value})
+    assert str(err.value) == expected
+
+
+def test_per_call_overrides_accept_numbers_of_any_kind():
+    s = SamplingSettings.resolve(rollout(), {"do_sample": 0, "n": np.int64(3), "temperature": 1, "top_p": np.float32(0.5)})
+    assert (s.do_sample, s.n, s.temperature, s.top_p) == (False, 3, 1.0, 0.5)
+    assert type(s.n) is int and type(s.temperature) is float
