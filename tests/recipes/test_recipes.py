@@ -39,6 +39,12 @@ COMMON_RL = ["actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=2", "rollout.max
 TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 
 
+def comparable_metrics(run: TrainingRun) -> list[dict]:
+    """A run's logged rows without the wall-clock keys, which differ between any two runs: what a
+    resumed run must log exactly like an uninterrupted one."""
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_jsonl_metrics(run.dir / "metrics.jsonl")]
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("recipe_model"), hidden_size=64, num_heads=2, num_kv_heads=1)
@@ -164,11 +170,7 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, tiny_model, monkeypatc
     resumed = recipes.ppo.train(config("ppo", tmp_path, *overrides, "trainer.run_name=killed", "trainer.resume=auto"))
     assert resumed.start_step == 2
 
-    def comparable(run):
-        rows = read_jsonl_metrics(run.dir / "metrics.jsonl")
-        return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-
-    expected, got = comparable(whole), comparable(resumed)
+    expected, got = comparable_metrics(whole), comparable_metrics(resumed)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
     assert got == expected
     assert any(r["actor/pg_loss"] != 0 for r in expected[1:])  # the policy really trained
@@ -194,11 +196,7 @@ def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
                                         "trainer.resume=auto"))
     assert resumed.start_step == 2
 
-    def comparable(run):
-        rows = read_jsonl_metrics(run.dir / "metrics.jsonl")
-        return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-
-    expected, got = comparable(whole), comparable(resumed)
+    expected, got = comparable_metrics(whole), comparable_metrics(resumed)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
     for want, have in zip(expected[3:], got[3:]):
         assert have == want, {k: (want[k], have.get(k)) for k in want if have.get(k) != want[k]}
