@@ -49,7 +49,8 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-__all__ = ["DataProto", "DataProtoItem", "pad_dataproto_to_divisor", "unpad_dataproto"]
+__all__ = ["DataProto", "DataProtoItem", "fold_batch_dim", "pad_dataproto_to_divisor", "unfold_batch_dim",
+           "unpad_dataproto"]
 
 # numpy has no bfloat16: such tensors travel as int16 bit patterns and are viewed back on arrival.
 _BITCAST_DTYPES = {torch.bfloat16: torch.int16}
@@ -275,7 +276,21 @@ class DataProto:
         for d in data[1:]:
             for key, value in d.meta_info.items():
                 meta.setdefault(key, value)
+        if any(METRICS_KEY in d.meta_info for d in data):
+            meta[METRICS_KEY] = _merge_metrics([d.meta_info.get(METRICS_KEY) for d in data])
         return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=meta)
+
+    def reorder(self, indices: torch.Tensor | np.ndarray | Sequence[int]) -> None:
+        """Put the rows in the order ``indices`` gives, in place (verl's semantics: returns None).
+        ``data.reorder(idx)`` leaves ``data`` equal to ``data[idx]``."""
+        index = np.asarray(indices.detach().cpu() if isinstance(indices, torch.Tensor) else indices)
+        index = index.astype(np.int64) if index.size == 0 else index
+        if index.ndim != 1 or not np.issubdtype(index.dtype, np.integer):
+            raise ValueError(f"reorder needs a 1-d sequence of integer row indices, got {index.dtype} of shape {index.shape}")
+        if len(index) and (index.min() < -len(self) or index.max() >= len(self)):
+            raise IndexError(f"reorder: indices must lie in [0, {len(self)}), got {index.min()}..{index.max()}")
+        taken = self[index]
+        self.batch, self.non_tensor_batch = taken.batch, taken.non_tensor_batch
 
     def repeat(self, repeat_times: int, interleave: bool = True) -> "DataProto":
         """Repeat every row: interleave gives a a b b (samples of one prompt adjacent), else a b a b."""
@@ -285,6 +300,17 @@ class DataProto:
         else:
             index = np.tile(np.arange(n), repeat_times)
         return self[index]
+
+    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | torch.Tensor) -> "DataProto":
+        """Repeat row i ``repeat_times[i]`` times, copies adjacent (a a a b c c for [3, 1, 2]); a count
+        of 0 drops the row. The per-row form of ``repeat(n, interleave=True)``."""
+        counts = np.asarray(repeat_times.detach().cpu() if isinstance(repeat_times, torch.Tensor) else list(repeat_times))
+        if counts.ndim != 1 or len(counts) != len(self):
+            raise ValueError(f"sample_level_repeat needs one count per row ({len(self)}), got shape {counts.shape}")
+        counts = counts.astype(np.int64) if counts.size == 0 else counts
+        if len(counts) and (not np.issubdtype(counts.dtype, np.integer) or counts.min() < 0):
+            raise ValueError(f"sample_level_repeat counts must be non-negative integers, got {counts.tolist()}")
+        return self[np.repeat(np.arange(len(self)), counts.astype(np.int64))]
 
     def make_iterator(self, mini_batch_size: int, epochs: int = 1, seed: int | None = None, shuffle: bool = True) -> Iterator["DataProto"]:
         """Yield mini-batches for ``epochs`` passes; reshuffled per epoch from ``seed`` when shuffle."""
@@ -378,9 +404,69 @@ def _arrays_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return all(_values_equal(x, y) for x, y in zip(a.tolist(), b.tolist())) if a.dtype == object else bool(np.array_equal(a, b))
 
 
-def pad_dataproto_to_divisor(data: DataProto, divisor: int) -> tuple[DataProto, int]:
-    return data.pad_to_divisor(divisor)
+def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
+    """verl's name (and keyword) for ``data.pad_to_divisor(size_divisor)``: (padded, pad_size)."""
+    return data.pad_to_divisor(size_divisor)
 
 
 def unpad_dataproto(data: DataProto, pad_size: int) -> DataProto:
     return data.unpad(pad_size)
+
+
+def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
+    """Rows (B, ...) as ``new_batch_size`` groups of B // new_batch_size consecutive rows: every tensor
+    becomes (new_batch_size, B // new_batch_size, ...), every non-tensor array likewise. ``data`` is
+    left as it was (verl's version also reshapes its non_tensor_batch in place)."""
+    n = len(data)
+    if new_batch_size <= 0 or n % new_batch_size:
+        raise ValueError(f"fold_batch_dim: {n} rows do not fold into {new_batch_size} equal groups")
+    group = n // new_batch_size
+    batch = None
+    if data.batch is not None:
+        folded = {k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.batch.items()}
+        batch = TensorDict(folded, batch_size=[new_batch_size], device=data.batch.device)
+    non_tensors = {k: v.reshape(new_batch_size, group, *v.shape[1:]) for k, v in data.non_tensor_batch.items()}
+    return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(data.meta_info))
+
+
+def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
+    """The inverse of ``fold_batch_dim``: the first ``batch_dims`` dimensions of every tensor and
+    non-tensor array become one batch dimension; they must agree across all keys."""
+    if batch_dims < 1:
+        raise ValueError(f"unfold_batch_dim: batch_dims must be >= 1, got {batch_dims}")
+    parts = [*(("batch", k, tuple(v.shape)) for k, v in (data.batch.items() if data.batch is not None else ())),
+             *(("non_tensor_batch", k, v.shape) for k, v in data.non_tensor_batch.items())]
+    leading = {shape[:batch_dims] for _, _, shape in parts}
+    if len(leading) > 1 or any(len(shape) < batch_dims for _, _, shape in parts):
+        listed = ", ".join(f"{part}[{k!r}] {shape}" for part, k, shape in parts)
+        raise ValueError(f"unfold_batch_dim: the first {batch_dims} dimensions must agree across keys, got {listed}")
+    rows = int(np.prod(leading.pop())) if leading else 0
+    batch = None
+    if data.batch is not None:
+        flat = {k: v.reshape(rows, *v.shape[batch_dims:]) for k, v in data.batch.items()}
+        batch = TensorDict(flat, batch_size=[rows], device=data.batch.device)
+    non_tensors = {k: v.reshape(rows, *v.shape[batch_dims:]) for k, v in data.non_tensor_batch.items()}
+    return DataProto(batch=batch, non_tensor_batch=non_tensors, meta_info=dict(data.meta_info))
+
+
+METRICS_KEY = "metrics"
+
+
+def _merge_metrics(parts: list) -> dict[str, list]:
+    """meta_info["metrics"] of concatenated parts as one dict of lists, as verl merges the metrics each
+    worker reports: a part holds a dict (one entry per key) or a list of such dicts (several), or
+    None / nothing. {"loss": 1} and {"loss": 2} merge to {"loss": [1, 2]}."""
+    records = []
+    for i, part in enumerate(parts):
+        if part is None:
+            continue
+        if isinstance(part, dict):
+            part = [part]
+        if not isinstance(part, (list, tuple)) or not all(isinstance(r, dict) for r in part):
+            raise TypeError(f'meta_info["metrics"] of part {i} must be a dict or a list of dicts, got {type(part).__name__}')
+        records.extend(part)
+    merged: dict[str, list] = {}
+    for record in records:
+        for key, value in record.items():
+            merged.setdefault(key, []).append(value)
+    return merged

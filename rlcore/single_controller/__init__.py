@@ -2,11 +2,23 @@
 
 Ray is imported only when a Ray class is asked for, so the in-process group works where Ray is not
 installed (e.g. the GPU check machine).
+
+Coming from verl: every name a verl script imports from ``verl.single_controller.ray``,
+``verl.single_controller.base`` and ``verl.single_controller.base.decorator`` is importable from
+here (the README's "Coming from verl" section has the mapping).
 """
 
 import importlib
 
-from rlcore.single_controller.decorator import CallContext, Dispatch, DispatchMode, Execute, mesh_dispatch, register
+from rlcore.single_controller.decorator import (
+    CallContext,
+    Dispatch,
+    DispatchMode,
+    Execute,
+    mesh_dispatch,
+    register,
+    verl_dispatch_mode,
+)
 from rlcore.single_controller.local import LocalWorkerGroup
 from rlcore.single_controller.worker import Worker
 from rlcore.single_controller.worker_group import (
@@ -23,6 +35,7 @@ from rlcore.single_controller.worker_group import (
 
 _RAY_NAMES = {
     "RayWorkerGroup": "rlcore.single_controller.ray_group",
+    "RankHandle": "rlcore.single_controller.ray_group",
     "RayResourcePool": "rlcore.single_controller.resource_pool",
     "ResourceError": "rlcore.single_controller.resource_pool",
 }
@@ -36,7 +49,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CallContext", "ClassWithInitArgs", "ColocatedClasses", "Dispatch", "DispatchMode", "Execute", "GroupFuture",
-    "LocalWorkerGroup", "RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup", "ResourceError", "Worker",
-    "WorkerDiedError", "WorkerError", "WorkerGroup", "WorkerTimeoutError", "create_colocated_worker_cls",
-    "mesh_dispatch", "register",
+    "LocalWorkerGroup", "RankHandle", "RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup", "ResourceError",
+    "Worker", "WorkerDiedError", "WorkerError", "WorkerGroup", "WorkerTimeoutError", "create_colocated_worker_cls",
+    "mesh_dispatch", "register", "verl_dispatch_mode",
 ]

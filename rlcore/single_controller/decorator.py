@@ -8,7 +8,10 @@ A dispatch mode is a pair of plain functions:
 ``ctx`` (a ``CallContext``) carries the group's world size, the call options (``pad``,
 ``balance``) and a scratch dict the two functions share (e.g. how many padding rows to drop). The
 built-in modes below are such pairs; users register their own with
-``register(dispatch_mode=DispatchMode(...))``.
+``register(dispatch_mode=DispatchMode(...))``. A plain dict ``{"dispatch_fn": f, "collect_fn": g}``
+is verl's convention instead, ``f(worker_group, *args, **kwargs) -> (args, kwargs)`` and
+``g(worker_group, outputs)``, and is adapted to a DispatchMode (``verl_dispatch_mode``): the type
+tells the two apart, a dict is always verl's.
 
 Balanced DP split. The DP modes hand rank r the r-th contiguous chunk of a batch. For a method
 registered with ``balance=True`` (its rows are independent and cost about their token count: a
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -34,7 +38,31 @@ from rlcore.single_controller.balance import balanced_permutation, chunk_loads
 REGISTER_ATTR = "_rlcore_register"
 
 
-class Dispatch(enum.Enum):
+# verl's Dispatch / Execute names that rlcore does not have, and what to write instead.
+_NOT_HERE = {
+    **dict.fromkeys(
+        ["MEGATRON_COMPUTE", "MEGATRON_PP_AS_DP", "MEGATRON_PP_ONLY", "MEGATRON_COMPUTE_PROTO", "MEGATRON_PP_AS_DP_PROTO"],
+        "for workers whose ranks form (data-parallel x tensor/pipeline-parallel) groups use "
+        "register(dispatch_mode=mesh_dispatch(\"actor\")) and self.register_mesh(\"actor\", dp_rank, dp_size, is_collect) "
+        "in the worker",
+    ),
+    "DIRECT_ROLLOUT_METHOD": "call the rollout's methods through its own worker group (Dispatch.ONE_TO_ALL or a DP mode)",
+}
+
+
+class _ModeNames(enum.EnumMeta):
+    """Makes ``Dispatch.MEGATRON_COMPUTE`` (a verl name rlcore has not) fail saying what to write instead."""
+
+    def __getattr__(cls, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _NOT_HERE:
+                raise AttributeError(f"{cls.__name__}.{name} is a verl mode rlcore does not have: {_NOT_HERE[name]}") from None
+            raise
+
+
+class Dispatch(enum.Enum, metaclass=_ModeNames):
     ONE_TO_ALL = "one_to_all"  # same arguments to every rank; list of results
     ALL_TO_ALL = "all_to_all"  # every argument is a list with one entry per rank; list of results
     RANK_ZERO = "rank_zero"  # only rank 0 runs; its result
@@ -45,7 +73,7 @@ class Dispatch(enum.Enum):
     COLLECTIVE_RANK_ZERO = "collective_rank_zero"  # every rank runs (e.g. a gather collective); rank 0's result
 
 
-class Execute(enum.Enum):
+class Execute(enum.Enum, metaclass=_ModeNames):
     ALL = "all"
     RANK_ZERO = "rank_zero"
 
@@ -236,14 +264,77 @@ _BUILTIN: dict[Dispatch, DispatchMode] = {
 }
 
 
-def resolve_dispatch_mode(mode: Dispatch | DispatchMode | dict) -> DispatchMode:
+def resolve_dispatch_mode(mode: Dispatch | DispatchMode | dict, materialize_futures: bool = True) -> DispatchMode:
+    """The DispatchMode a ``register(dispatch_mode=...)`` argument names.
+
+    The two conventions are told apart by type, never by guessing: a ``DispatchMode`` holds
+    rlcore's functions ``(ctx, args, kwargs)``; a dict ``{"dispatch_fn", "collect_fn"}`` always
+    holds verl's ``dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs)`` and
+    ``collect_fn(worker_group, outputs)`` (see ``verl_dispatch_mode``)."""
     if isinstance(mode, DispatchMode):
         return mode
     if isinstance(mode, Dispatch):
         return _BUILTIN[mode]
     if isinstance(mode, dict) and {"dispatch_fn", "collect_fn"} <= mode.keys():
-        return DispatchMode(mode["dispatch_fn"], mode["collect_fn"], mode.get("name", "custom"))
+        return verl_dispatch_mode(mode["dispatch_fn"], mode["collect_fn"], mode.get("name"), materialize_futures)
     raise TypeError(f"dispatch_mode must be a Dispatch, a DispatchMode or a dict with dispatch_fn/collect_fn, got {mode!r}")
+
+
+# ------------------------------------------------------------------ verl's dict dispatch modes
+def verl_dispatch_mode(dispatch_fn: Callable, collect_fn: Callable, name: str | None = None,
+                       materialize_futures: bool = True) -> DispatchMode:
+    """A dispatch/collect pair written to verl's convention, as a DispatchMode.
+
+    ``dispatch_fn(worker_group, *args, **kwargs)`` returns ``(args, kwargs)``; as in verl, when every
+    one of those arguments is a list with one entry per rank, rank r gets entry r, and otherwise
+    every rank gets all of them unchanged. ``collect_fn(worker_group, outputs)`` gets the list of
+    per-rank results. With ``materialize_futures`` (verl's default) a ``GroupFuture`` argument is
+    waited for before ``dispatch_fn`` sees it."""
+    for role, fn in (("dispatch_fn", dispatch_fn), ("collect_fn", collect_fn)):
+        if not callable(fn):
+            raise TypeError(f"{role} of a dict dispatch mode must be callable, got {fn!r}")
+    if _takes_rlcore_arguments(dispatch_fn):
+        raise TypeError(
+            f"{dispatch_fn.__name__}(ctx, args, kwargs) is written to rlcore's convention, but a dict dispatch mode holds "
+            "verl's dispatch_fn(worker_group, *args, **kwargs) -> (args, kwargs); wrap rlcore's functions in "
+            "DispatchMode(dispatch_fn, collect_fn) instead"
+        )
+    label = name or f"verl:{getattr(dispatch_fn, '__name__', 'dispatch')}"
+
+    def dispatch(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+        if materialize_futures:
+            args = tuple(a.get() if isinstance(a, Deferred) else a for a in args)
+            kwargs = {k: v.get() if isinstance(v, Deferred) else v for k, v in kwargs.items()}
+        result = dispatch_fn(ctx.group, *args, **kwargs)
+        if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], (tuple, list))
+                and isinstance(result[1], dict)):
+            raise TypeError(
+                f"{label}: a dict dispatch_fn must return (args, kwargs), a tuple of per-rank argument lists and a dict, "
+                f"got {type(result).__name__}; to hand rank r the r-th chunk of one argument write "
+                "`return (data.chunk(worker_group.world_size),), {}`"
+            )
+        return per_rank_calls(ctx.world_size, tuple(result[0]), dict(result[1]))
+
+    def collect(ctx: CallContext, outputs: list) -> Any:
+        return collect_fn(ctx.group, outputs)
+
+    return DispatchMode(dispatch, collect, label)
+
+
+def per_rank_calls(world_size: int, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:
+    """verl's rule for a dispatched call: split when every argument is a per-rank list, else broadcast."""
+    values = [*args, *kwargs.values()]
+    if all(isinstance(v, list) and len(v) == world_size for v in values):
+        return [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world_size)]
+    return [(args, kwargs)] * world_size
+
+
+def _takes_rlcore_arguments(fn: Callable) -> bool:
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return names == ["ctx", "args", "kwargs"]
 
 
 # ------------------------------------------------------------------ mesh-aware DP dispatch
@@ -283,6 +374,7 @@ def register(
     blocking: bool = True,
     pad: bool = False,
     balance: bool = False,
+    materialize_futures: bool = True,
 ) -> Callable:
     """Mark a worker method as callable on the whole group.
 
@@ -294,8 +386,10 @@ def register(
         tokens (the results come back in the caller's order). Declare it where rows are independent
         and cost their token count; the group's ``balance_dp`` (``trainer.balance_batch``) and
         ``.options(balance=...)`` switch it off.
+    materialize_futures: for a verl dict mode, wait for ``GroupFuture`` arguments before its
+        ``dispatch_fn`` runs (verl's default); rlcore's own modes pass futures on as they see fit.
     """
-    mode = resolve_dispatch_mode(dispatch_mode)
+    mode = resolve_dispatch_mode(dispatch_mode, materialize_futures)
     if not isinstance(execute_mode, Execute):
         raise TypeError(f"execute_mode must be an Execute, got {execute_mode!r}")
 

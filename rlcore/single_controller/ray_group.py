@@ -30,6 +30,16 @@ def plain_text(error: BaseException | str) -> str:
 
 
 class RayWorkerGroup(WorkerGroup):
+    """One Ray actor per rank of ``resource_pool``, hosting ``ray_cls_with_init``'s worker(s).
+
+    Of the options of a ``@ray.remote(...)`` worker class it honours ``num_cpus`` / ``num_gpus`` (what
+    each rank's process takes from its bundle, instead of the pool's even share; refused at once if
+    the groups on the pool would not fit), ``runtime_env`` and ``max_concurrency``; placement and
+    names are the group's own, so any other option is an error naming it. ``device_name`` ("cpu" or
+    "cuda", verl's keyword) must agree with the pool's ``use_gpu``. ``workers`` (verl's ``_workers``)
+    are the ranks as handles for raw calls: ``ray.get(wg.workers[0].method.remote(x))``.
+    """
+
     passes_object_refs = True
 
     def __init__(
@@ -40,14 +50,17 @@ class RayWorkerGroup(WorkerGroup):
         default_timeout: float | None = 3600.0,
         init_timeout: float = 600.0,
         env_vars: dict[str, str] | None = None,
+        device_name: str | None = None,
     ) -> None:
+        self.device_name = _check_device(device_name, resource_pool)
         super().__init__(ray_cls_with_init, resource_pool.world_size, default_timeout)
         self.resource_pool = resource_pool
-        resource_pool.claim(id(self))
-        resources = resource_pool.actor_resources()
+        resources, extra_options = _actor_options(self._roles, resource_pool)
+        resource_pool.claim(id(self), resources)
         self.hosts = []
         for rank, (pg, bundle_index, _) in enumerate(resource_pool.slots()):
             options = {
+                **extra_options,
                 "num_cpus": resources.get("CPU", 0),
                 "num_gpus": resources.get("GPU", 0),
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
@@ -70,6 +83,13 @@ class RayWorkerGroup(WorkerGroup):
             build_refs.append(self.hosts[rank].build.remote(env, roles))
         self.worker_info = self._get(build_refs, "__init__", init_timeout)
         self._bind_methods()
+
+    @property
+    def workers(self) -> list["RankHandle"]:
+        """Each rank as a handle for raw Ray calls (verl's ``wg.workers`` / ``wg._workers``)."""
+        return [RankHandle(host, list(self._roles), self._prefixed) for host in self.hosts]
+
+    _workers = workers
 
     def _get(self, refs: list, method: str, timeout: float | None) -> list:
         return self._wait(refs, list(range(len(refs))), method, timeout)
@@ -108,3 +128,87 @@ class RayWorkerGroup(WorkerGroup):
             ray.kill(host, no_restart=True)
         self.hosts = []
         self.resource_pool.release(id(self))
+
+
+class RankHandle:
+    """One rank's process as verl's worker handle: ``handle.method.remote(*args, **kwargs)`` runs the
+    worker's ``method`` there (registered or not) and returns its Ray ObjectRef. In a colocated group
+    the method name carries the role prefix (``actor_update``), as the group's own methods do.
+    ``actor`` is the underlying Ray actor (e.g. for ``ray.kill``)."""
+
+    def __init__(self, actor, roles: list[str], prefixed: bool) -> None:
+        self.actor, self._roles, self._prefixed = actor, roles, prefixed
+
+    def __getattr__(self, name: str) -> "_RemoteMethod":
+        if name.startswith("_"):  # private names, and attributes looked up before __init__ ran (unpickling)
+            raise AttributeError(name)
+        if not self._prefixed:
+            return _RemoteMethod(self.actor, self._roles[0], name)
+        for role in self._roles:
+            if name.startswith(f"{role}_"):
+                return _RemoteMethod(self.actor, role, name[len(role) + 1:])
+        raise AttributeError(f"{name!r}: in a colocated group name the role first, one of "
+                             f"{[f'{r}_<method>' for r in self._roles]}")
+
+
+class _RemoteMethod:
+    def __init__(self, actor, role: str, method: str, options: dict | None = None) -> None:
+        self._actor, self._role, self._method, self._options = actor, role, method, options or {}
+
+    def remote(self, *args, **kwargs):
+        call = self._actor.execute.options(**self._options) if self._options else self._actor.execute
+        return call.remote(self._role, self._method, *args, **kwargs)
+
+    def options(self, **options) -> "_RemoteMethod":
+        return _RemoteMethod(self._actor, self._role, self._method, {**self._options, **options})
+
+
+# Options of a @ray.remote worker class that make sense for a rank's process; the others (placement,
+# names, lifetimes, restarts) belong to the group.
+_HONOURED_OPTIONS = ("num_cpus", "num_gpus", "runtime_env", "max_concurrency")
+
+
+def _actor_options(roles: dict[str, ClassWithInitArgs], pool: RayResourcePool) -> tuple[dict[str, float], dict]:
+    """(what each rank's process takes from its bundle, further Ray options) from the pool's share and the
+    @ray.remote options of the role classes (several colocated roles: the largest num_cpus / num_gpus)."""
+    resources = pool.actor_resources()
+    asked: dict[str, list[float]] = {}
+    extra: dict = {}
+    for cwa in roles.values():
+        options = getattr(cwa, "ray_options", {})
+        refused = sorted(set(options) - set(_HONOURED_OPTIONS))
+        if refused:
+            raise ValueError(
+                f"{cwa.cls.__name__}: @ray.remote option(s) {refused} are not honoured by RayWorkerGroup, which places, "
+                f"names and restarts each rank's process itself; remove them (honoured: {list(_HONOURED_OPTIONS)}; "
+                "name_prefix= names the group)"
+            )
+        for option, key in (("num_cpus", "CPU"), ("num_gpus", "GPU")):
+            if option in options:
+                asked.setdefault(key, []).append(float(options[option]))
+        if "max_concurrency" in options:
+            extra["max_concurrency"] = max(options["max_concurrency"], extra.get("max_concurrency", 1))
+        if "runtime_env" in options:
+            env = dict(extra.get("runtime_env", {}))
+            env_vars = {**env.get("env_vars", {}), **options["runtime_env"].get("env_vars", {})}
+            env.update(options["runtime_env"])
+            if env_vars:
+                env["env_vars"] = env_vars
+            extra["runtime_env"] = env
+    resources.update({key: max(values) for key, values in asked.items()})
+    return resources, extra
+
+
+def _check_device(device_name: str | None, pool: RayResourcePool) -> str:
+    """verl's ``device_name`` keyword, checked against the pool: the pool's bundles decide the device."""
+    pool_device = "cuda" if pool.use_gpu else "cpu"
+    if device_name is None:
+        return pool_device
+    if device_name not in ("cpu", "cuda"):
+        raise ValueError(f"device_name={device_name!r}: rlcore's Ray groups run on 'cpu' or 'cuda'")
+    if device_name != pool_device:
+        raise ValueError(
+            f"device_name={device_name!r} but the resource pool was built with use_gpu={pool.use_gpu}: build it with "
+            f"RayResourcePool(..., use_gpu={device_name == 'cuda'}) for {device_name} workers"
+        )
+    return device_name

@@ -30,7 +30,11 @@ class RayResourcePool:
         max_colocate_count: int = 1,
         name_prefix: str = "rlcore",
         ready_timeout_s: float = 120.0,
+        detached: bool = False,
     ) -> None:
+        if detached:
+            raise ValueError("detached resource pools are not supported: a pool and its groups live as long as the "
+                             "driver that built them; build it with detached=False (the default)")
         if not process_on_nodes or any(n <= 0 for n in process_on_nodes):
             raise ValueError(f"process_on_nodes must list a positive process count per node, got {process_on_nodes}")
         self.process_on_nodes = list(process_on_nodes)
@@ -42,7 +46,7 @@ class RayResourcePool:
         self.pg_name_prefix = f"{name_prefix}_{uuid.uuid4().hex[:8]}"  # unique in the cluster (module docstring)
         self.ready_timeout_s = ready_timeout_s
         self._pgs: list | None = None
-        self._groups: set[int] = set()
+        self._groups: dict[int, dict[str, float]] = {}  # group id -> what each of its actors takes from a bundle
 
     @property
     def world_size(self) -> int:
@@ -102,18 +106,32 @@ class RayResourcePool:
             for k in want:
                 best[k] -= want[k]
 
-    def claim(self, group_id: int) -> None:
-        """Reserve a share of every bundle for one worker group; more than max_colocate_count would never schedule."""
+    def claim(self, group_id: int, demand: dict[str, float] | None = None) -> None:
+        """Reserve what one worker group's actors take from every bundle (``demand``, default the
+        ``actor_resources`` share). More than max_colocate_count groups, or demands that together
+        exceed a bundle, would never schedule: Ray would wait forever, so this refuses at once."""
+        demand = self.actor_resources() if demand is None else dict(demand)
         if len(self._groups) >= self.max_colocate_count:
             raise ResourceError(
                 f"resource pool {self.name_prefix!r} already hosts {len(self._groups)} worker group(s) and "
                 f"max_colocate_count={self.max_colocate_count}; build it with a larger max_colocate_count to colocate "
-                "more groups, or colocate the roles in one group (create_colocated_worker_cls)"
+                "more groups, e.g. RayResourcePool(..., max_colocate_count=3) for three (verl's pools default to 10, "
+                "rlcore's to 1: each group then gets the whole bundle), or colocate the roles in one group "
+                "(create_colocated_worker_cls)"
             )
-        self._groups.add(group_id)
+        bundle = self.bundle()
+        for key, want in demand.items():
+            taken = sum(g.get(key, 0.0) for g in self._groups.values())
+            if want > 0 and taken + want > bundle.get(key, 0.0) + 1e-9:
+                raise ResourceError(
+                    f"resource pool {self.name_prefix!r}: each bundle holds {key}={bundle.get(key, 0.0):g}, the groups "
+                    f"already on it take {taken:g} and this group's workers ask for {want:g} (their @ray.remote options); "
+                    f"ask for less, or build the pool with more per process (num_cpus_per_process / num_gpus_per_process)"
+                )
+        self._groups[group_id] = demand
 
     def release(self, group_id: int) -> None:
-        self._groups.discard(group_id)
+        self._groups.pop(group_id, None)
 
     def shutdown(self) -> None:
         for pg in self._pgs or []:

@@ -18,10 +18,23 @@ DEFAULT_ROLE = "default"
 
 
 class ClassWithInitArgs:
-    """A worker class and the arguments to build it with, on every rank."""
+    """A worker class and the arguments to build it with, on every rank.
+
+    A ``@ray.remote``-decorated class (verl's way of writing workers) is taken apart: ``cls`` is the
+    class it wraps and ``ray_options`` the options given to ``ray.remote(...)``, which a Ray group
+    applies to the process of each rank (``RayWorkerGroup`` says which it honours)."""
 
     def __init__(self, cls: type, *args, **kwargs) -> None:
+        wrapped = getattr(cls, "__ray_actor_class__", None)  # a ray ActorClass: no ray import needed here
+        self.ray_options: dict = dict(getattr(cls, "_default_options", None) or {}) if wrapped is not None else {}
+        cls = wrapped if wrapped is not None else cls
+        if not isinstance(cls, type):
+            raise TypeError(f"ClassWithInitArgs needs a worker class, got {cls!r}")
         self.cls, self.args, self.kwargs = cls, args, kwargs
+
+    def update_options(self, options: dict) -> None:
+        """Add Ray actor options for this class's processes (verl's ``RayClassWithInitArgs.update_options``)."""
+        self.ray_options.update(options)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.cls.__name__})"
