@@ -52,6 +52,8 @@ def run_rlcore(args) -> dict:
 
     tok = AutoTokenizer.from_pretrained(args.model)
     rows = args.prompts * args.n
+    # Workers built directly, not by rlcore.trainer.builder, get ppo_mini_batch_size as global rows
+    # (the builder turns a run config's prompts into rows): here the whole batch, one optimizer step.
     config = {
         "model": {"path": args.model},
         "rollout": {"backend": "vllm", "dtype": "bfloat16", "n": args.n, "max_new_tokens": args.new_tokens,

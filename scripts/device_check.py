@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TINY_DATA = ["data.train_batch_size=4", "data.arithmetic.n_train=16", "data.arithmetic.n_val=6"]
 TINY_RL = ["actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=2", "rollout.max_new_tokens=4"]
-TINY_PPO = ["critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4"]
+TINY_PPO = ["critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2"]
 # Sizes per mode. GPU: the "small" preset (~25M parameters) and the recipes' default batches
 # (64 prompts x 8 samples); --recipe-model medium (~0.2B) makes the card work harder. CPU (the dry run in
 # the test suite, 2 cores): the recipe tests' tiny sizes.

@@ -24,12 +24,12 @@ def needs_old_log_prob(cfg: DictConfig) -> bool:
     """Whether the driver must call ``actor.compute_log_prob`` before the update.
 
     Not when each batch is one optimizer step (``actor.ppo_epochs`` 1, ``actor.ppo_mini_batch_size``
-    null or the whole batch) and no KL penalty goes into the rewards: the actor's update then uses
-    its own log-probs, detached, as the old ones (they are the same numbers: no step has been taken
-    yet), and a forward pass over the batch is saved (TRL does the same with num_iterations=1).
+    null or all ``data.train_batch_size`` prompts) and no KL penalty goes into the rewards: the actor's
+    update then uses its own log-probs, detached, as the old ones (they are the same numbers: no step
+    has been taken yet), and a forward pass over the batch is saved (TRL does the same with
+    num_iterations=1).
     """
-    rows = cfg.data.train_batch_size * cfg.rollout.n
-    single_step = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size in (None, rows)
+    single_step = cfg.actor.ppo_epochs == 1 and cfg.actor.ppo_mini_batch_size in (None, cfg.data.train_batch_size)
     return cfg.algorithm.use_kl_in_reward or not single_step
 
 

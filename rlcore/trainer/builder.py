@@ -14,7 +14,9 @@ and never sees role prefixes. ``trainer.backend`` picks where the ranks live:
 - ``local``: one rank in this process (notebooks, debugging, machines without Ray), with
   ``trainer.cpus_per_proc`` torch threads, as a Ray rank would have.
 
-Every worker receives the whole (plain) recipe config and reads the sections it owns.
+Every worker receives the whole (plain) recipe config and reads the sections it owns, with one
+normalisation: ``ppo_mini_batch_size`` arrives as global rows, not prompts (verl's workers normalise
+theirs the same way).
 
 Data. ``data.train_files`` / ``data.val_files`` name prompt files (jsonl/parquet with the prompt,
 answer and data_source columns); left null, the synthetic arithmetic task of ``data.arithmetic`` is
@@ -41,7 +43,7 @@ from rlcore.data.arithmetic import make_split, write_jsonl
 from rlcore.data.dataset import PromptDataset, PromptLoader, collate_prompts
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
-from rlcore.trainer.config import to_plain
+from rlcore.trainer.config import to_worker_config
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward_model import RewardModelWorker
@@ -193,8 +195,9 @@ def build_rollout_group(cfg: DictConfig) -> Workers:
 
 
 def _worker_config(cfg: DictConfig) -> dict:
-    """The plain config the workers are built with, ``trainer.device`` resolved ("auto" decided here)."""
-    config = to_plain(cfg)
+    """The plain config the workers are built with, ``trainer.device`` resolved ("auto" decided here)
+    and each ``ppo_mini_batch_size`` in rows (prompts x ``rollout.n``: ``to_worker_config``)."""
+    config = to_worker_config(cfg)
     config["trainer"]["device"] = resolve_device(cfg.trainer.device)
     return config
 

@@ -38,7 +38,8 @@ from rlcore.typed_config import ConfigError, merge_section, section_schema, to_s
 from rlcore.workers.config import ActorConfig, CriticConfig
 from rlcore.workers.reward_model import RewardModelConfig
 
-__all__ = ["ConfigError", "SECTIONS", "check_batch_split", "load_config", "register_schema", "to_plain"]
+__all__ = ["ConfigError", "SECTIONS", "TRAINED_SECTIONS", "check_batch_split", "load_config", "mini_batch_rows",
+           "register_schema", "rows_per_prompt", "to_plain", "to_worker_config"]
 
 
 @dataclass
@@ -59,6 +60,7 @@ class TrainerConfig:
     val_before_train: bool = True  # validate the starting model (step 0)
     save_freq: int = 0  # checkpoint every N steps; 0: never
     max_ckpt_to_keep: int | None = None  # prune older checkpoints; None: keep all
+    export_hf: bool = True  # a HF model (config, tokenizer, safetensors) in each checkpoint (<ckpt>/hf) and at the end (<run>/hf)
     resume: str = "disable"  # "disable", "auto" (the latest complete checkpoint) or a step folder
     overwrite: bool = False  # start afresh in a run folder that holds another run, deleting its records
     output_dir: str = "outputs"  # runs go to <output_dir>/<project>/<run_name>
@@ -75,6 +77,9 @@ class TrainerConfig:
         for key in ("nnodes", "procs_per_node", "total_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("save_freq", "val_freq"):  # step % -1 == 0: verl's "never" would mean "every step"
+            if getattr(self, key) < 0:
+                raise ValueError(f"trainer.{key}={getattr(self, key)}: write 0 for never (verl's -1)")
         if self.overwrite and self.resume != "disable":
             raise ValueError(f"trainer.overwrite=true replaces the run in the folder, trainer.resume={self.resume!r} "
                              "continues it: set one of them")
@@ -319,32 +324,73 @@ def load_config(cfg: DictConfig | Mapping, sections: Sequence[str]) -> DictConfi
     return out
 
 
+TRAINED_SECTIONS = ("actor", "critic", "reward_model")  # the sections with a ppo_mini_batch_size (TrainConfig)
+
+
+def rows_per_prompt(cfg: DictConfig | Mapping, role: str) -> int:
+    """The rows one prompt of ``data.train_batch_size`` adds to ``role``'s update batch: what turns
+    ``ppo_mini_batch_size`` (prompts, verl's meaning) into the rows of one optimizer step.
+
+    - ``reward_model`` (and any run without a rollout): 1, a row is one (prompt, chosen, rejected) pair;
+    - the actor of online DPO (``actor.policy_loss=dpo``): 2, a prompt gives at most one
+      (chosen, rejected) pair, so the mini-batch counts pairs;
+    - otherwise ``rollout.n``: a prompt's sampled responses (GRPO, PPO, DAPO, async GRPO) or
+      episodes (multi-turn, agentic). SFT keeps ``rollout.n=1`` (its rollout only validates): one row
+      per prompt, its answer.
+    """
+    if role == "reward_model" or "rollout" not in cfg:
+        return 1
+    if role == "actor" and cfg["actor"].get("policy_loss") == "dpo":
+        return 2
+    return int(cfg["rollout"].get("n", 1))
+
+
+def mini_batch_rows(cfg: DictConfig | Mapping, role: str) -> int | None:
+    """``role``'s global rows per optimizer step: ``ppo_mini_batch_size`` prompts x ``rows_per_prompt``
+    (verl's normalisation, before its division over the ranks); None (the whole batch) stays None."""
+    mini = cfg[role]["ppo_mini_batch_size"]
+    return None if mini is None else mini * rows_per_prompt(cfg, role)
+
+
+def to_worker_config(cfg: DictConfig) -> dict[str, Any]:
+    """What the workers are built with: ``to_plain(cfg)``, every trained section's
+    ``ppo_mini_batch_size`` turned from prompts into the global rows of one optimizer step
+    (``mini_batch_rows``). The one place prompts become rows; the workers count rows."""
+    config = to_plain(cfg)
+    for role in TRAINED_SECTIONS:
+        if role in config:
+            config[role]["ppo_mini_batch_size"] = mini_batch_rows(config, role)
+    return config
+
+
 def check_batch_split(cfg: DictConfig) -> None:
     """Batch sizes that cannot be split as the run needs, refused now rather than at the first dispatch
     or update, after the workers (and maybe a warm start) were built. A step's prompts are split over
-    the ranks, its rows (``data.train_batch_size x rollout.n``) into ``ppo_mini_batch_size`` global
-    rows per optimizer step, each split over the ranks; with ``use_dynamic_bsz`` the longest possible
-    sequence must fit one micro-batch's token budget."""
+    the ranks; ``ppo_mini_batch_size`` prompts must divide ``data.train_batch_size`` prompts (whole
+    mini-batches per step), and their rows (``mini_batch_rows``) split over the ranks; with
+    ``use_dynamic_bsz`` the longest possible sequence must fit one micro-batch's token budget."""
     t, d = cfg.trainer, cfg.data
     ranks = t.nnodes * t.procs_per_node
     over = f"{ranks} ranks (trainer.nnodes={t.nnodes} x trainer.procs_per_node={t.procs_per_node})"
     if d.train_batch_size % ranks:
         raise ConfigError(f"data.train_batch_size={d.train_batch_size} prompts do not split evenly over {over}")
-    rows = d.train_batch_size * (cfg.rollout.n if "rollout" in cfg else 1)
     longest = None
     if "rollout" in cfg:
         longest = cfg.env.max_total_tokens if "env" in cfg else d.max_prompt_length + cfg.rollout.max_new_tokens
-    for role in ("actor", "critic"):
+    for role in TRAINED_SECTIONS:
         if role not in cfg:
             continue
         c = cfg[role]
         mini = c.ppo_mini_batch_size
-        if mini is not None and mini % ranks:
-            raise ConfigError(f"{role}.ppo_mini_batch_size={mini} rows do not split evenly over {over}")
-        # online DPO trains on a varying number of (chosen, rejected) pairs, not on every sampled row
-        if mini is not None and rows % mini and cfg[role].get("policy_loss") != "dpo":
-            raise ConfigError(f"{role}.ppo_mini_batch_size={mini} does not divide the {rows} rows of a step "
-                              f"(data.train_batch_size={d.train_batch_size} x rollout.n)")
+        # online DPO trains on a varying number of (chosen, rejected) pairs, not on every prompt
+        if mini is not None and d.train_batch_size % mini and c.get("policy_loss") != "dpo":
+            raise ConfigError(f"{role}.ppo_mini_batch_size={mini} does not divide data.train_batch_size="
+                              f"{d.train_batch_size}: both count prompts (as in verl), and a step's prompts must "
+                              "make whole mini-batches")
+        rows = mini_batch_rows(cfg, role)
+        if rows is not None and rows % ranks:
+            raise ConfigError(f"{role}.ppo_mini_batch_size={mini} prompts ({rows} rows, {rows_per_prompt(cfg, role)} "
+                              f"per prompt) do not split evenly over {over}")
         if c.use_dynamic_bsz and longest is not None and longest > c.ppo_max_token_len_per_gpu:
             raise ConfigError(f"{role}.ppo_max_token_len_per_gpu={c.ppo_max_token_len_per_gpu} is below the longest "
                               f"possible sequence ({longest} tokens: data.max_prompt_length + rollout.max_new_tokens, "

@@ -24,7 +24,14 @@ LR_SCHEDULERS = ("constant", "cosine", "linear")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Optimisation and batching of a trained role."""
+    """Optimisation and batching of a trained role.
+
+    Batch sizes mean what verl's mean. ``ppo_mini_batch_size`` counts prompts of
+    ``data.train_batch_size``, so a pasted verl value takes verl's optimizer steps; the trainer hands
+    the workers it builds the global rows instead (prompts x ``rollout.n``, once, in
+    ``rlcore.trainer.config.to_worker_config``), and that is what this field holds inside a worker.
+    The micro-batch keys count rows on one rank (``_per_gpu``), in the run config and the worker alike.
+    """
 
     optimizer: str = "adamw"  # "adamw" or "sgd" (plain SGD: handy for exact tests)
     lr: float = 1e-6  # peak learning rate
@@ -34,8 +41,9 @@ class TrainConfig:
     total_steps: int | None = None  # optimizer steps the decay spans (cosine / linear)
     min_lr_ratio: float = 0.0  # decay floor, as a fraction of lr
     grad_clip: float | None = 1.0  # max global grad norm; null or 0: no clipping
-    ppo_mini_batch_size: int | None = None  # global rows per optimizer step; null: the whole batch
-    ppo_micro_batch_size_per_gpu: int = 4  # rows per forward/backward on one rank
+    ppo_mini_batch_size: int | None = None  # prompts per optimizer step, as in verl (x rollout.n rows); null: the whole batch
+    ppo_micro_batch_size_per_gpu: int = 4  # rows per forward/backward on one rank (also the log-prob forwards)
+    ppo_micro_batch_size: int | None = None  # verl's deprecated global micro-batch: refused (use the _per_gpu key)
     use_dynamic_bsz: bool = False  # pack micro-batches by token count instead of rows
     ppo_max_token_len_per_gpu: int = 16384  # token budget of one dynamic micro-batch
     ppo_epochs: int = 1  # passes over the batch per update call
@@ -55,6 +63,9 @@ class TrainConfig:
                 raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")
         if self.ppo_mini_batch_size is not None and self.ppo_mini_batch_size <= 0:
             raise ValueError(f"ppo_mini_batch_size must be > 0 or null, got {self.ppo_mini_batch_size}")
+        if self.ppo_micro_batch_size is not None:  # verl divides it by the ranks; a silent guess here would differ
+            raise ValueError(f"ppo_micro_batch_size={self.ppo_micro_batch_size} is verl's deprecated global "
+                             "micro-batch size: use ppo_micro_batch_size_per_gpu (rows per rank) instead")
 
 
 @dataclass(frozen=True)

@@ -142,7 +142,7 @@ def test_ppo_with_critic_and_kl_in_reward_on_given_data_files(tmp_path, tiny_mod
     files = [f"data.train_files=[{write_jsonl(tmp_path / 'tr.jsonl', train)}]",
              f"data.val_files={write_jsonl(tmp_path / 'va.jsonl', val)}", "reward.reward_fn=arithmetic"]
     cfg = config("ppo", tmp_path, f"model.path={tiny_model}", "trainer.backend=local", *COMMON_RL, *files,
-                 "critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4")
+                 "critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2")
     run = recipes.ppo.train(cfg)
     assert not (tmp_path / "data").exists()  # the given files, not the arithmetic task
     check_metrics(run, 2, RL_KEYS | {"actor/kl_old_ref", "critic/vf_loss", "critic/values/mean", "critic/returns/mean",
@@ -188,7 +188,7 @@ def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
         pytest.importorskip("vllm")
     length_reward = Path(__file__).with_name("length_reward.py")  # random-model samples must score apart
     overrides = [f"model.path={tiny_model}", "trainer.backend=local", "trainer.save_freq=2", "rollout.do_sample=true",
-                 "actor.lr=5e-2", "actor.ppo_mini_batch_size=4", f"reward.reward_fn={length_reward}:reward_by_length",
+                 "actor.lr=5e-2", "actor.ppo_mini_batch_size=2", f"reward.reward_fn={length_reward}:reward_by_length",
                  *COMMON_RL, *(VLLM_ROLLOUT if engine == "vllm" else [])]
     whole = recipes.grpo.train(config("grpo", tmp_path, *overrides, "trainer.run_name=whole", "trainer.total_steps=4"))
     recipes.grpo.train(config("grpo", tmp_path, *overrides, "trainer.run_name=split"))  # 2 steps, checkpoint at 2

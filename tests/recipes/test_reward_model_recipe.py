@@ -132,7 +132,7 @@ def test_grpo_trains_on_rule_plus_weighted_reward_model_scores(tmp_path, tiny_mo
 def test_ppo_trains_on_the_reward_model_alone(tmp_path, tiny_model, random_rm, monkeypatch):
     seen = capture_batches(monkeypatch)
     cfg = config("ppo", tmp_path, f"model.path={tiny_model}", *RL, f"reward.model.path={random_rm}",
-                 "critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4")
+                 "critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2")
     recipes.ppo.train(cfg)
     assert len(seen) == 2
     check_scores(seen, random_rm, AutoTokenizer.from_pretrained(tiny_model), rule_weight=0.0, rm_weight=1.0)

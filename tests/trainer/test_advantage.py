@@ -86,8 +86,8 @@ def test_a_registered_estimator_gets_what_it_asks_for_by_name():
 
 @pytest.mark.parametrize("actor, use_kl_in_reward, needed", [
     ({"ppo_epochs": 1, "ppo_mini_batch_size": None}, False, False),  # one step on the whole batch
-    ({"ppo_epochs": 1, "ppo_mini_batch_size": 32}, False, False),  # 4 prompts x 8: still the whole batch
-    ({"ppo_epochs": 1, "ppo_mini_batch_size": 16}, False, True),  # two steps
+    ({"ppo_epochs": 1, "ppo_mini_batch_size": 4}, False, False),  # all 4 prompts (32 rows): still the whole batch
+    ({"ppo_epochs": 1, "ppo_mini_batch_size": 2}, False, True),  # two steps of 2 prompts (16 rows)
     ({"ppo_epochs": 2, "ppo_mini_batch_size": None}, False, True),
     ({"ppo_epochs": 1, "ppo_mini_batch_size": None}, True, True),  # the KL penalty reads them
 ])

@@ -182,10 +182,10 @@ def test_a_model_path_that_is_not_a_local_model_directory_fails_at_load_time(tmp
 @pytest.mark.parametrize("given, named", [
     ({"trainer": {"procs_per_node": 4}, "data": {"train_batch_size": 6}},
      r"data.train_batch_size=6 prompts do not split evenly over 4 ranks \(trainer.nnodes=1 x trainer.procs_per_node=4"),
-    ({"trainer": {"nnodes": 2, "procs_per_node": 2}, "data": {"train_batch_size": 8}, "actor": {"ppo_mini_batch_size": 6}},
-     r"actor.ppo_mini_batch_size=6 rows do not split evenly over 4 ranks \(trainer.nnodes=2"),
-    ({"data": {"train_batch_size": 8}, "rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 12}},
-     r"actor.ppo_mini_batch_size=12 does not divide the 16 rows of a step \(data.train_batch_size=8 x rollout.n\)"),
+    ({"trainer": {"nnodes": 2, "procs_per_node": 2}, "data": {"train_batch_size": 8}, "actor": {"ppo_mini_batch_size": 2}},
+     r"actor.ppo_mini_batch_size=2 prompts \(2 rows, 1 per prompt\) do not split evenly over 4 ranks \(trainer.nnodes=2"),
+    ({"data": {"train_batch_size": 8}, "rollout": {"n": 2}, "actor": {"ppo_mini_batch_size": 3}},
+     r"actor.ppo_mini_batch_size=3 does not divide data.train_batch_size=8: both count prompts"),
     ({"actor": {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 100}, "rollout": {"max_new_tokens": 64}},
      r"actor.ppo_max_token_len_per_gpu=100 is below the longest possible sequence \(128 tokens"),
 ])
