@@ -55,7 +55,6 @@ def train(cfg: DictConfig) -> TrainingRun:
             with run.timer("update_rm"):
                 metrics = mean_over_ranks(workers.rm.update_rm(pairs))
             run.end_step(step, metrics, pairs)
-        workers.rm.export_hf(str(run.dir / "hf"))
     return run
 
 

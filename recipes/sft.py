@@ -90,7 +90,6 @@ def train(cfg: DictConfig) -> TrainingRun:
             with run.timer("update_actor"):
                 metrics = mean_over_ranks(workers.actor.train_sft(batch))
             run.end_step(step, metrics, batch)
-        workers.actor.export_hf(str(run.dir / "hf"))
     return run
 
 

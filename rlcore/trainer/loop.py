@@ -4,7 +4,11 @@ It owns the run folder ``<trainer.output_dir>/<trainer.project>/<trainer.run_nam
 
     metrics.jsonl      one JSON object per logged step (the record plots are made from)
     tensorboard/       the same scalars for TensorBoard
-    checkpoints/       global_step_N/{actor,critic}/ (worker state) + trainer_state.pt (driver state)
+    checkpoints/       global_step_N/{actor,critic}/ (worker state) + hf/ (the policy as a HF model)
+                       + trainer_state.pt (driver state)
+    hf/                the policy after the last step as a HF model (config, tokenizer, safetensors)
+    config.yaml        the resolved config, model.path filled in: what ``python -m rlcore.trainer.export``
+                       rebuilds a checkpoint's model from
     run.lock           held (``flock``) for the run's life; holds its pid
 
 A folder is one run's. A second live run in it fails at once, naming the holder's pid (the lock
@@ -22,6 +26,10 @@ and does, around the recipe's own work:
 - validation before training, every ``trainer.val_freq`` steps and after the last step;
 - per-step timing (``timing_s/<stage>`` from ``with run.timer("stage")``), tokens per second, and a
   checkpoint every ``trainer.save_freq`` steps;
+- with ``trainer.export_hf`` (default on), a HF model directory of the policy (the actor, a LoRA
+  actor's adapters merged in; in a reward-model run, the reward model) in each checkpoint
+  (``<ckpt>/hf``) and, after the last step, in the run folder (``<run>/hf``), which
+  ``AutoModelForCausalLM.from_pretrained`` and vLLM load. Here, once, for every recipe;
 - teardown: used as a context manager (``with TrainingRun(...) as run:``) it closes the loggers and
   shuts the workers down however the block ends, after whatever the recipe handed to
   ``run.on_close`` (a producer thread, a second worker group), latest first.
@@ -47,7 +55,9 @@ from rlcore.data.dataset import PromptLoader
 from rlcore.engines.seeding import derive_seed, set_deterministic
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
+from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
+    HF_DIR,
     load_run_state,
     prune_checkpoints,
     resolve_resume,
@@ -65,7 +75,7 @@ CONSOLE_KEYS = (
 
 
 LOCK_FILE = "run.lock"
-RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints")  # what a run leaves in its folder
+RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR)  # what a run leaves in its folder
 
 
 class RunFolderError(RuntimeError):
@@ -116,6 +126,7 @@ class TrainingRun:
         self.ckpt_dir = self.dir / "checkpoints"
         self.timer = Timer()
         self.last_val: dict[str, float] = {}
+        self._exported_at: int | None = None  # the step of the last checkpoint this run exported
         self._teardown = contextlib.ExitStack()
         try:
             lock = claim_run_folder(self.dir, t.resume, t.overwrite)
@@ -144,6 +155,7 @@ class TrainingRun:
         self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir,
                                config=self.cfg, total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
         self._teardown.callback(self.tracker.close)
+        save_run_config(self.cfg, self.dir)
 
     # ------------------------------------------------------------------ the loop
     def steps(self) -> Iterator[int]:
@@ -155,6 +167,7 @@ class TrainingRun:
             self.timer.reset()
             self._step_start = time.perf_counter()
             yield step
+        self.export_final()
 
     def next_prompts(self) -> DataProto:
         """The next training batch of prompts (the loader repeats the data for as long as needed), with
@@ -223,10 +236,44 @@ class TrainingRun:
         step_dir = self.ckpt_dir / f"global_step_{step}"
         for role, group in self.workers.trained.items():
             group.save_checkpoint(str(step_dir / role))
+        if self.cfg.trainer.export_hf:
+            with self.timer("export_hf"):
+                if self.export_hf(step_dir / HF_DIR, what="checkpoint"):  # before the marker: part of the checkpoint
+                    self._exported_at = step
         state = {"loader": self.loader.state_dict(), **{k: v.state_dict() for k, v in self.state.items()}}
         save_run_state(self.ckpt_dir, step, state)  # written last: marks the checkpoint complete
         if self.cfg.trainer.max_ckpt_to_keep:
             prune_checkpoints(self.ckpt_dir, self.cfg.trainer.max_ckpt_to_keep)
+
+    def export_hf(self, out: Path, what: str = "HF export") -> bool:
+        """Write the exported role's weights as a HF directory at ``out`` (replacing one there); False
+        when the run trains no role that exports. A failure names ``out``."""
+        role = exported_role(self.workers.trained)
+        if role is None:
+            return False
+        shutil.rmtree(out, ignore_errors=True)  # no stale files of an earlier export beside the new ones
+        try:
+            getattr(self.workers, role).export_hf(str(out))
+        except Exception as exc:
+            cause = exc.__cause__ or exc
+            kind = OSError if isinstance(cause, OSError) else RuntimeError
+            raise kind(f"writing {what} {out} failed (the {role} as a HF model): {type(cause).__name__}: "
+                       f"{cause}") from exc
+        return True
+
+    def export_final(self) -> None:
+        """``<run>/hf`` after the last step (``trainer.export_hf``): a copy of the last checkpoint's export
+        when that checkpoint is of the last step, else an export of the workers' weights."""
+        if not self.cfg.trainer.export_hf or exported_role(self.workers.trained) is None:
+            return
+        out = self.dir / HF_DIR
+        last = self.ckpt_dir / f"global_step_{self.cfg.trainer.total_steps}" / HF_DIR
+        if self._exported_at == self.cfg.trainer.total_steps and last.is_dir():  # saved by this run, at the last step
+            shutil.rmtree(out, ignore_errors=True)
+            shutil.copytree(last, out)
+        else:
+            self.export_hf(out)
+        print(f"exported the trained model to {out}", flush=True)
 
     def _resume(self) -> int:
         found = resolve_resume(self.cfg.trainer.resume, self.ckpt_dir)

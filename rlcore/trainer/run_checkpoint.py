@@ -12,6 +12,9 @@ Layout:
         global_step_N/
             trainer_state.pt             this module's dict
             actor/ critic/ ...           written by the workers
+            hf/                          the policy (or trained reward model) as a HF model directory, with
+                                         trainer.export_hf (TrainingRun); python -m rlcore.trainer.export
+                                         writes it for a checkpoint without one
 
 `trainer_state.pt` is a pickle (numpy RNG state, arbitrary controller dicts): load only
 checkpoints your own runs wrote.
@@ -31,6 +34,7 @@ import torch
 
 STATE_FILE = "trainer_state.pt"
 LATEST_FILE = "latest_checkpointed_step.txt"
+HF_DIR = "hf"  # a HF model directory: in a step folder (that step's weights) and in the run folder (the last)
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 

@@ -66,6 +66,7 @@ def _run_recipe(cfg: DictConfig, folder: Path, data: dict[str, Any]) -> None:
     overrides = [
         f"trainer.total_steps={cfg.warmstart.steps}", f"trainer.output_dir={_value(str(folder))}",
         "trainer.project=sft", "trainer.run_name=run", "trainer.save_freq=0", "trainer.resume=disable",
+        "trainer.export_hf=true",  # <run>/hf is the warm start
         "trainer.loggers=[jsonl]", "trainer.backend=local", f"trainer.device={t.device}",
         f"trainer.cpus_per_proc={t.cpus_per_proc}", f"tiny_model.arch={_value(cfg.warmstart.arch)}",
         *_overrides("data", data),
