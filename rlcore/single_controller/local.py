@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import traceback
 
-from rlcore.single_controller.worker import WorkerHost, free_port
+from rlcore.single_controller.worker import WorkerHost, free_port, one_machine_rendezvous
 from rlcore.single_controller.worker_group import ClassWithInitArgs, ColocatedClasses, WorkerError, WorkerGroup
 
 
@@ -21,6 +21,7 @@ class LocalWorkerGroup(WorkerGroup):
     def __init__(self, classes: ClassWithInitArgs | ColocatedClasses, world_size: int = 1) -> None:
         super().__init__(classes, world_size, default_timeout=None)
         port = str(free_port())
+        rendezvous = one_machine_rendezvous()  # no TCP listener: the ranks are in this process
         self.hosts = []
         self.worker_info = []
         saved = dict(os.environ)
@@ -34,6 +35,7 @@ class LocalWorkerGroup(WorkerGroup):
                     "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": port,
                     "RLCORE_IN_PROCESS": "1",
+                    **rendezvous,
                 }
                 host = WorkerHost()
                 roles = {role: (c.cls, c.args, c.kwargs) for role, c in self._roles.items()}

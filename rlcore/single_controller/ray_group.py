@@ -10,7 +10,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlcore.single_controller.resource_pool import RayResourcePool
-from rlcore.single_controller.worker import WorkerHost
+from rlcore.single_controller.worker import WorkerHost, one_machine_rendezvous
 from rlcore.single_controller.worker_group import (
     ClassWithInitArgs,
     ColocatedClasses,
@@ -71,9 +71,12 @@ class RayWorkerGroup(WorkerGroup):
         master_addr, master_port = self._get([self.hosts[0].master_address.remote()], "master_address", init_timeout)[0]
         roles = {role: (c.cls, c.args, c.kwargs) for role, c in self._roles.items()}
         build_refs = []
+        one_node = len(resource_pool.placement_groups()) == 1  # STRICT_PACK: one placement group per node
+        rendezvous = one_machine_rendezvous() if one_node else {}
         for rank, (_, _, local_rank) in enumerate(resource_pool.slots()):
             env = {
                 **(env_vars or {}),
+                **rendezvous,
                 "RANK": str(rank),
                 "WORLD_SIZE": str(self.world_size),
                 "LOCAL_RANK": str(local_rank),

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import tempfile
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +32,7 @@ class Worker:
         self._local_rank = int(env.get("LOCAL_RANK", 0))
         self._master_addr = env.get("MASTER_ADDR", "127.0.0.1")
         self._master_port = env.get("MASTER_PORT", "")
+        self._rendezvous_file = env.get(RENDEZVOUS_FILE_ENV, "")
         self._in_process = env.get("RLCORE_IN_PROCESS") == "1"
         self._mesh: dict[str, dict] = {}
         self.colocated_workers: dict[str, Any] = {}
@@ -52,7 +55,12 @@ class Worker:
         return self._master_addr, self._master_port
 
     def init_distributed(self, backend: str | None = None, timeout_s: float = 600) -> None:
-        """Join the group's torch.distributed process group (gloo on CPU, nccl on GPU); idempotent."""
+        """Join the group's torch.distributed process group (gloo on CPU, nccl on GPU); idempotent.
+
+        Ranks that share one machine (the group sets ``RLCORE_RENDEZVOUS_FILE``) meet through a file
+        (torch's FileStore) and gloo's sockets bind the loopback interface, so a single-box run opens
+        no port reachable from outside it: torch's TCPStore listens on every interface whatever
+        MASTER_ADDR says. Ranks on several machines meet at ``tcp://MASTER_ADDR:MASTER_PORT``."""
 
         if self.world_size > 1 and self._in_process:
             raise RuntimeError(
@@ -61,15 +69,22 @@ class Worker:
             )
         if dist.is_initialized():
             return
-        if not self._master_port:
+        if not (self._master_port or self._rendezvous_file):
             raise RuntimeError("MASTER_PORT is not set: build this worker through a worker group")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             # Ray shows each GPU actor only its own device(s); a torchrun-style process sees all.
             torch.cuda.set_device(self.local_rank % torch.cuda.device_count())
+        if self._rendezvous_file:
+            init_method = f"file://{self._rendezvous_file}"
+            loopback = loopback_interface()
+            if backend == "gloo" and loopback:
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback)  # the user's choice, if any, wins
+        else:
+            init_method = f"tcp://{self._master_addr}:{self._master_port}"
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{self._master_addr}:{self._master_port}",
+            init_method=init_method,
             rank=self.rank,
             world_size=self.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
@@ -104,6 +119,24 @@ class RemoteChunk:
         full = DataProto.concat(ray.get(self.refs)).unpad(self.pad_size)
         padded, _ = full.pad_to_divisor(self.parts)
         return padded.chunk(self.parts)[self.index]
+
+
+RENDEZVOUS_FILE_ENV = "RLCORE_RENDEZVOUS_FILE"
+
+
+def one_machine_rendezvous() -> dict[str, str]:
+    """The environment that has a group's ranks, all on one machine, meet through a fresh file
+    (``Worker.init_distributed``); unique per group, so a stale file of a crashed run never matters."""
+    return {RENDEZVOUS_FILE_ENV: os.path.join(tempfile.gettempdir(), f"rlcore-rendezvous-{uuid.uuid4().hex}")}
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name ("lo" on Linux, "lo0" on macOS), None if there is none."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
 
 
 def free_port() -> int:
@@ -166,4 +199,4 @@ def _node_id() -> str | None:
         return None
 
 
-__all__ = ["Worker", "WorkerHost", "RemoteChunk", "free_port", "node_ip"]
+__all__ = ["Worker", "WorkerHost", "RemoteChunk", "free_port", "node_ip", "one_machine_rendezvous", "loopback_interface"]

@@ -115,7 +115,24 @@ def init_ray(cfg: DictConfig) -> None:
         check_reachable(address, t.ray_connect_timeout_s, source)
         ray.init(address=address, **options)
     else:
+        loopback_only_ray()
         ray.init(address=address, num_cpus=t.ray_num_cpus, **options)
+
+
+LOOPBACK_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def loopback_only_ray() -> None:
+    """Have the Ray instance this process starts listen on loopback only: a local run serves nobody
+    else, and Ray's metrics endpoints are unauthenticated HTTP. Ray binds its servers (GCS, raylet,
+    workers, agents, metrics) to the node address, and ``ray.init`` refuses 127.0.0.1 as one unless
+    clusters are off, its single-machine mode (the default on macOS and Windows). Setting
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 keeps Ray's own choice (e.g. to let other machines join)."""
+    import ray._private.ray_constants as ray_constants  # read at import: set here too if ray came first
+
+    os.environ.setdefault(LOOPBACK_RAY_ENV, "0")
+    if os.environ[LOOPBACK_RAY_ENV].lower() in ("0", "false"):
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS frame
