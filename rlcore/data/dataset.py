@@ -5,6 +5,10 @@ the responses come from the rollout. So a dataset item is a tokenized prompt, th
 policy saw, a ground truth for rule-based rewards and a few pass-through fields (`data_source`
 routes a sample to its reward function).
 
+verl's data files are read as they are (rlcore.data.verl_schema): a row with a `reward_model` column
+and no answer column takes its ground truth from `reward_model.ground_truth` and carries its
+`extra_info` dict to the reward function; its chat-message prompt goes through the chat template.
+
 Prompts are tokenized once, up front: that lets overlong prompts be filtered (and counted) before
 training starts instead of crashing a rollout hours in. Batches are LEFT-padded because generation
 appends tokens on the right; `position_ids` skip the padding so a left-padded row gets the same
@@ -27,6 +31,14 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+
+from rlcore.data.verl_schema import (
+    GROUND_TRUTH_KEY,
+    check_messages,
+    is_verl_row,
+    verl_extra_info,
+    verl_ground_truth,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +96,16 @@ class PromptDataset(torch.utils.data.Dataset):
     """Tokenized prompts with their ground truths, read from one or more files.
 
     The prompt column holds either a string or a chat list of {"role", "content"} messages.
-    `apply_chat_template=None` templates whenever the tokenizer has a chat template; a string
-    prompt is then sent as a single user message. Templated text is tokenized without extra
-    special tokens (the template writes them); plain text gets the tokenizer's usual ones.
+    A chat list always goes through the tokenizer's chat template (`add_generation_prompt=True`), as
+    verl renders it: it has no other text. `apply_chat_template` decides for string prompts: None
+    templates them whenever the tokenizer has a chat template, as a single user message. Templated
+    text is tokenized without extra special tokens (the template writes them); plain text gets the
+    tokenizer's usual ones.
 
     `answer_key=None` is for prompt sets scored by a reward model (no ground truth);
-    `ground_truth` is then None. Every column in `extra_keys` must exist.
+    `ground_truth` is then None. Every column in `extra_keys` must exist. Rows in verl's layout (a
+    `reward_model` column, no `answer_key` column) take `reward_model.ground_truth` as the ground
+    truth and keep `extra_info` (None for the other rows of a dataset that has any).
     """
 
     def __init__(
@@ -118,27 +134,40 @@ class PromptDataset(torch.utils.data.Dataset):
         if not files:
             raise ValueError("PromptDataset needs at least one file")
         raw_prompts: list[str] = []
+        templated: list[bool] = []
         records: list[dict[str, Any]] = []
         for path in files:
             rows, columns = read_records(path)
-            wanted = [prompt_key, *([answer_key] if answer_key else []), *self.extra_keys]
             for i, row in enumerate(rows):
+                verl = is_verl_row(row, answer_key)
+                wanted = [prompt_key, *([answer_key] if answer_key and not verl else []), *self.extra_keys]
                 missing = [k for k in wanted if k not in row]
                 if missing:
-                    raise ValueError(f"column {missing[0]!r} missing in {path} (row {i}); "
+                    hint = (" (or verl's 'reward_model' column holding the ground truth)"
+                            if missing[0] == answer_key else "")
+                    raise ValueError(f"column {missing[0]!r}{hint} missing in {path} (row {i}); "
                                      f"columns present: {columns}")
+                truth = None
                 if answer_key:
-                    check_answer(row[answer_key], answer_key, path, i)
-                raw_prompts.append(self._render(row[prompt_key], path, i))
+                    truth = verl_ground_truth(row, path, i) if verl else row[answer_key]
+                    check_answer(truth, GROUND_TRUTH_KEY if verl else answer_key, path, i)
+                text, with_template = self._render(row[prompt_key], path, i)
+                raw_prompts.append(text)
+                templated.append(with_template)
                 records.append({
-                    "ground_truth": row[answer_key] if answer_key else None,
-                    **({"messages": self._messages(row[prompt_key])} if self.use_chat_template else {}),
+                    "ground_truth": truth,
+                    "messages": self._messages(row[prompt_key]),
                     **{k: row[k] for k in self.extra_keys},
+                    **({"extra_info": verl_extra_info(row, path, i)} if verl else {}),
                 })
 
         if not raw_prompts:
             raise ValueError(f"no rows in {[str(f) for f in files]}")
-        encoded = tokenizer(raw_prompts, add_special_tokens=not self.use_chat_template)["input_ids"]
+        if not any(templated):  # plain text only: no chat form to keep
+            records = [{k: v for k, v in rec.items() if k != "messages"} for rec in records]
+        if any("extra_info" in rec for rec in records):  # every row needs the column to collate
+            records = [{**rec, "extra_info": rec.get("extra_info")} for rec in records]
+        encoded = self._tokenize(raw_prompts, templated)
         self.items: list[dict[str, Any]] = []
         for i, (ids, text, rec) in enumerate(zip(encoded, raw_prompts, records)):
             if len(ids) > max_prompt_length:
@@ -161,23 +190,32 @@ class PromptDataset(torch.utils.data.Dataset):
         """The prompt as chat messages, before the template (what a chat agent sends)."""
         return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
 
-    def _render(self, prompt: Any, path: str | Path, row: int) -> str:
-        """The exact text the policy sees: the prompt after the chat template (if any)."""
+    def _render(self, prompt: Any, path: str | Path, row: int) -> tuple[str, bool]:
+        """(the exact text the policy sees, whether the chat template wrote it)."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise ValueError(f"{path} row {row}: the prompt is empty")
             if not self.use_chat_template:
-                return prompt
+                return prompt, False
             prompt = [{"role": "user", "content": prompt}]
-        elif not isinstance(prompt, list) or not all(
-                isinstance(m, dict) and {"role", "content"} <= m.keys() for m in prompt):
-            raise ValueError(f"{path} row {row}: prompt must be a string or a list of "
-                             f"{{'role', 'content'}} messages, got {prompt!r}")
-        elif not self.use_chat_template:
-            raise ValueError(f"{path} row {row}: prompt is a chat list but the tokenizer has no "
-                             f"chat_template (or apply_chat_template=False)")
-        return self.tokenizer.apply_chat_template(prompt, tokenize=False,
-                                                  add_generation_prompt=True)
+        else:
+            check_messages(prompt, path, row)
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError(f"{path} row {row}: prompt is a chat list but the tokenizer has no "
+                                 f"chat_template to render it")
+        text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        return text, True
+
+    def _tokenize(self, texts: list[str], templated: list[bool]) -> list[list[int]]:
+        """Token ids of each text: templated ones without added special tokens (the template wrote them)."""
+        ids: list[list[int]] = [[] for _ in texts]
+        for with_template in (True, False):
+            rows = [i for i, t in enumerate(templated) if t is with_template]
+            if rows:
+                encoded = self.tokenizer([texts[i] for i in rows], add_special_tokens=not with_template)["input_ids"]
+                for i, row_ids in zip(rows, encoded):
+                    ids[i] = row_ids
+        return ids
 
     def __len__(self) -> int:
         return len(self.items)

@@ -9,11 +9,19 @@ tokens skipped and spaces kept exactly, then the row's function is called as
 
     fn(response_text, ground_truth, prompt=..., data_source=..., **extra_keys_of_row, **reward_kwargs)
 
+or, for a function with verl's signature (a parameter named ``solution_str``; see
+``rlcore.rewards.signatures``), ``fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
+**extra_keys_of_row, **reward_kwargs)``. ``extra_info`` is the row's ``extra_info`` non-tensor (verl's
+data files carry one; None without it) and reaches only functions that name it or take ``**kwargs``.
+A function may return a number or a dict with a ``score`` and further entries (verl's form): the
+numeric entries become metrics ``reward/extra/<key>/mean`` (over the rows that report them).
 ``prompt`` is the ``raw_prompt`` non-tensor when present, else the decoded ``prompts`` under the
 prompt part of ``attention_mask``, else None. ``data_source`` is None when the batch has no such
 column. Which function scores a row: ``reward_fn_by_source[data_source]`` if listed, else
 ``reward_fn`` if set, else the registered function named like the row's ``data_source`` (the
-built-in names equal the data sources they score; see ``rlcore.rewards.registry``).
+built-in names equal the data sources they score, and the data sources of verl's preprocessing
+scripts map to them, "openai/gsm8k" -> gsm8k, "lighteval/MATH" -> math, ...; see
+``rlcore.rewards.registry``).
 
 Output (a new DataProto, ready for ``batch.union``):
 
@@ -42,7 +50,10 @@ after another, in a daemon thread the call waits on with the same per-row ``time
 that sleeps, waits or loops in Python fails the call (naming the row) instead of hanging the run.
 The thread cannot be killed, so it is abandoned (a daemon: it does not keep the process alive), and
 a C call that never releases the GIL (a catastrophic regex) still blocks the waiting thread too:
-only ``num_workers >= 1`` bounds that.
+only ``num_workers >= 1`` bounds that. A function marked ``needs_process = True`` (``math_verify``:
+its time limit is a SIGALRM timer, which only a process's main thread can set) always runs in forked
+workers, ``min(8, CPUs)`` of them when ``num_workers=0``; its ``prepare()`` (imports, warm-up) runs
+once in this process when the manager resolves it, so each fork starts warm.
 
 Config: the ``reward`` section (``RewardConfig``) and ``model.path`` (the tokenizer's directory).
 The section's ``model`` sub-section (``LearnedRewardConfig``) is not read here: it adds a learned
@@ -72,7 +83,8 @@ from transformers import AutoTokenizer
 
 from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
-from rlcore.rewards.registry import RewardFn, get_reward_fn
+from rlcore.rewards.registry import RewardFn, get_reward_fn, reward_fn_for_source
+from rlcore.rewards.signatures import RewardCall, reward_call
 from rlcore.typed_config import read_section
 
 
@@ -117,7 +129,7 @@ class RewardConfig:
     model: LearnedRewardConfig = field(default_factory=LearnedRewardConfig)  # a learned reward model (reward.model.*)
 RESPONSE_PREVIEW_CHARS = 200
 # Keyword arguments the manager itself passes; reward_kwargs and extra_keys may not reuse them.
-_ROW_KWARGS = ("prompt", "data_source")
+_ROW_KWARGS = ("prompt", "data_source", "extra_info", "solution_str")
 
 
 class RewardError(RuntimeError):
@@ -136,23 +148,37 @@ class _Job:
     """One row's call, prepared in the parent so that forked workers only need its index."""
 
     fn_name: str
-    fn: RewardFn
+    call: RewardCall
     response: str
     ground_truth: Any
+    prompt: Any
+    data_source: Any
+    extra_info: Any
     kwargs: dict[str, Any]
 
-    def run(self) -> float:
-        return _as_score(self.fn(self.response, self.ground_truth, **self.kwargs))
+    def run(self) -> tuple[float, dict[str, float]]:
+        """(score, the dict form's further numeric entries)."""
+        return _as_score(self.call(self.response, self.ground_truth, prompt=self.prompt, data_source=self.data_source,
+                                   extra_info=self.extra_info, kwargs=self.kwargs))
 
 
-def _as_score(value: Any) -> float:
-    """A reward must be one finite real number: anything else would poison the advantages."""
+def _as_score(value: Any) -> tuple[float, dict[str, float]]:
+    """A reward must be one finite real number, alone or as a dict's ``score`` (verl's form: the other
+    numeric entries come back as extra metrics, the rest is dropped); anything else would poison the
+    advantages."""
+    extras: dict[str, float] = {}
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise TypeError(f"the reward function returned a dict without a 'score' entry: {sorted(map(str, value))}")
+        extras = {str(k): float(v) for k, v in value.items()
+                  if k != "score" and isinstance(v, numbers.Real) and math.isfinite(v)}
+        value = value["score"]
     if not isinstance(value, numbers.Real):
         raise TypeError(f"the reward function returned {value!r} ({type(value).__name__}), expected a real number")
     score = float(value)
     if not math.isfinite(score):
         raise ValueError(f"the reward function returned {score}, expected a finite number")
-    return score
+    return score, extras
 
 
 def _resolve(fn: str | Callable) -> tuple[str, RewardFn]:
@@ -205,9 +231,20 @@ class RuleRewardManager:
         self.tokenizer = tokenizer
         self.timeout_s = float(timeout_s)
         self.num_workers = num_workers
-        self._default = None if reward_fn is None else _resolve(reward_fn)
-        self._by_source = {source: _resolve(fn) for source, fn in (reward_fn_by_source or {}).items()}
-        self._registered: dict[str, tuple[str, RewardFn]] = {}
+        self._keywords = (*self.extra_keys, *self.reward_kwargs)
+        self._default = None if reward_fn is None else self._callable(*_resolve(reward_fn))
+        self._by_source = {source: self._callable(*_resolve(fn), f" (reward_fn_by_source[{source!r}])")
+                           for source, fn in (reward_fn_by_source or {}).items()}
+        self._registered: dict[str, tuple[str, RewardCall]] = {}
+
+    def _callable(self, name: str, fn: RewardFn, where: str = "") -> tuple[str, RewardCall]:
+        """(name, the checked call): a signature matching neither form fails here, naming the function.
+        A function's ``prepare()``, if it has one, runs now: in this process, before any fork."""
+        call = reward_call(fn, name + where, self._keywords)
+        prepare = getattr(fn, "prepare", None)
+        if callable(prepare):
+            prepare()
+        return name, call
 
     @classmethod
     def from_config(cls, config: Mapping | Any) -> "RuleRewardManager":
@@ -238,15 +275,16 @@ class RuleRewardManager:
         n = len(data)
         sources = data.non_tensor_batch.get("data_source", np.full(n, None, dtype=object))
         truths = data.non_tensor_batch["ground_truth"]
+        infos = data.non_tensor_batch.get("extra_info", np.full(n, None, dtype=object))
         jobs = []
         for i in range(n):
             source = sources[i]
-            fn_name, fn = self._fn_for(source, i + index_offset)
-            kwargs = {"prompt": prompts[i], "data_source": source,
-                      **{k: data.non_tensor_batch[k][i] for k in self.extra_keys}, **self.reward_kwargs}
-            jobs.append(_Job(fn_name, fn, texts[i], truths[i], kwargs))
-        run = self._run_in_process if self.num_workers == 0 else self._run_forked
-        scores = torch.tensor(run(jobs, sources, index_offset), dtype=torch.float32, device=responses.device)
+            fn_name, call = self._fn_for(source, i + index_offset)
+            kwargs = {**{k: data.non_tensor_batch[k][i] for k in self.extra_keys}, **self.reward_kwargs}
+            jobs.append(_Job(fn_name, call, texts[i], truths[i], prompts[i], source, infos[i], kwargs))
+        forked = self.num_workers > 0 or any(getattr(job.call.fn, "needs_process", False) for job in jobs)
+        results = (self._run_forked if forked else self._run_in_process)(jobs, sources, index_offset)
+        scores = torch.tensor([score for score, _ in results], dtype=torch.float32, device=responses.device)
 
         positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
         last = torch.where(mask, positions, -1).amax(dim=1)
@@ -254,7 +292,8 @@ class RuleRewardManager:
         token_level_scores = torch.zeros(mask.shape, dtype=torch.float32, device=responses.device)
         token_level_scores[rows, last[rows]] = scores[rows]
         return DataProto.from_dict(
-            {"token_level_scores": token_level_scores, "reward_scores": scores}, {"response_text": texts}
+            {"token_level_scores": token_level_scores, "reward_scores": scores}, {"response_text": texts},
+            _extra_metrics([extras for _, extras in results]),
         )
 
     # ------------------------------------------------------------------ inputs
@@ -280,7 +319,7 @@ class RuleRewardManager:
             return self._decode(prompt_ids, data.batch["attention_mask"][:, : prompt_ids.shape[1]].bool())
         return [None] * len(data)
 
-    def _fn_for(self, source: Any, index: int) -> tuple[str, RewardFn]:
+    def _fn_for(self, source: Any, index: int) -> tuple[str, RewardCall]:
         if source in self._by_source:
             return self._by_source[source]
         if self._default is not None:
@@ -289,21 +328,23 @@ class RuleRewardManager:
             self._registered[source] = self._registered_fn(source, index)
         return self._registered[source]
 
-    def _registered_fn(self, source: Any, index: int) -> tuple[str, RewardFn]:
-        """The function registered under the row's data_source: the last resort, so no import paths."""
+    def _registered_fn(self, source: Any, index: int) -> tuple[str, RewardCall]:
+        """The function registered under the row's data_source (or the built-in a verl data source maps
+        to): the last resort, so no import paths."""
         missing = ValueError(
-            f"no reward function for sample {index} (data_source={source!r}): it is not a registered reward name, "
+            f"no reward function for sample {index} (data_source={source!r}): it is not a registered reward name "
+            f"nor a verl data source mapped to one (rlcore.rewards.registry.VERL_DATA_SOURCES), "
             f"reward_fn is not set and reward_fn_by_source lists only {sorted(map(str, self._by_source))}"
         )
         if not isinstance(source, str) or ":" in source:
             raise missing
-        try:
-            return source, get_reward_fn(source)
-        except ValueError as exc:
-            raise missing from exc
+        name = reward_fn_for_source(source)
+        if name is None:
+            raise missing
+        return self._callable(name, get_reward_fn(name))
 
     # ------------------------------------------------------------------ running the functions
-    def _run_in_process(self, jobs: list[_Job], sources: np.ndarray, offset: int) -> list[float]:
+    def _run_in_process(self, jobs: list[_Job], sources: np.ndarray, offset: int) -> list[tuple[float, dict]]:
         """The rows one after another in a daemon thread; a row past ``timeout_s`` fails the call."""
         results: queue.Queue = queue.Queue()
 
@@ -328,10 +369,11 @@ class RuleRewardManager:
             scores.append(value)
         return scores
 
-    def _run_forked(self, jobs: list[_Job], sources: np.ndarray, offset: int) -> list[float]:
+    def _run_forked(self, jobs: list[_Job], sources: np.ndarray, offset: int) -> list[tuple[float, dict]]:
         """Forked workers, one row at a time each; a row past its deadline kills them all."""
         context = multiprocessing.get_context("fork")
-        scores: list[float] = [math.nan] * len(jobs)
+        scores: list[tuple[float, dict]] = [(math.nan, {})] * len(jobs)
+        num_workers = self.num_workers or min(8, os.cpu_count() or 1)  # 0: functions that need a process
         todo = iter(range(len(jobs)))
         workers: dict[Connection, multiprocessing.Process] = {}
         busy: dict[Connection, tuple[int, float]] = {}  # connection -> (row, deadline)
@@ -343,7 +385,7 @@ class RuleRewardManager:
                 busy[conn] = (i, time.monotonic() + self.timeout_s)
 
         try:
-            for _ in range(min(self.num_workers, len(jobs))):
+            for _ in range(min(num_workers, len(jobs))):
                 conn, child_conn = context.Pipe()
                 process = context.Process(target=_serve, args=(child_conn, jobs), daemon=True)
                 process.start()
@@ -418,6 +460,16 @@ def _error(job: _Job, index: int, source: Any, what: str, detail: str = "") -> R
         f"response (first {RESPONSE_PREVIEW_CHARS} chars): {preview!r}{detail}",
         index, source, job.response,
     )
+
+
+def _extra_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """``reward/extra/<key>/mean`` of each numeric entry the dict-returning functions gave, over the rows
+    that gave it (keys in order of appearance)."""
+    values: dict[str, list[float]] = {}
+    for extras in rows:
+        for key, value in extras.items():
+            values.setdefault(key, []).append(value)
+    return {f"reward/extra/{key}/mean": sum(v) / len(v) for key, v in values.items()}
 
 
 def reward_metrics(scores: torch.Tensor, data_sources: np.ndarray | None = None) -> dict[str, float]:

@@ -20,6 +20,7 @@ _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _GSM8K_FINAL = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
 _ANY_NUMBER = re.compile(_NUMBER)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_LINE = re.compile(r"^[ \t]*answer[ \t]*:[ \t]*(\S.*?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
 _DECIMAL = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?")
 _THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 _FRAC_BRACED = re.compile(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}")
@@ -57,6 +58,22 @@ def extract_answer_tag(text: str) -> str | None:
     """Stripped content of the last `<answer>...</answer>`, or None."""
     found = _ANSWER_TAG.findall(text)
     return found[-1].strip() if found else None
+
+
+def extract_answer_line(text: str) -> str | None:
+    """The rest of the last line that starts with "Answer:" (DAPO's and Minerva's final-answer form)."""
+    found = _ANSWER_LINE.findall(text)
+    return found[-1] if found else None
+
+
+def extract_math_answer(text: str) -> str | None:
+    """A math response's final answer: the last `\\boxed{}`, else the last `<answer>` tag, else the
+    last "Answer: ..." line; None when it gives none of them."""
+    for extract in (extract_boxed, extract_answer_tag, extract_answer_line):
+        answer = extract(text)
+        if answer is not None:
+            return answer
+    return None
 
 
 def extract_gsm8k_answer(text: str) -> str | None:

@@ -12,6 +12,12 @@ response's program against test cases (rlcore.rewards.code_checks) in a sandbox
 
 A config names a function either by a registered name ("gsm8k") or by a path:
 "package.module:function" or "/path/to/file.py:function", so a user's reward needs no change here.
+A function may also have verl's signature, ``compute_score(data_source, solution_str, ground_truth,
+extra_info=None)`` (rlcore.rewards.signatures tells the two apart). verl's preprocessing scripts name
+their rows' data_source after the Hugging Face dataset ("openai/gsm8k", "lighteval/MATH", "aime_2024"):
+`reward_fn_for_source` maps those to the built-in checker of the same kind of answer, as verl's
+default scorer does. `math_verify` (rlcore.rewards.math_verify_grader, the optional `math-verify`
+package) decides MATH answers the exact `math` checker cannot; `math` stays the default.
 """
 
 from __future__ import annotations
@@ -26,12 +32,13 @@ from typing import Any, Protocol
 from rlcore.registry import Registry
 from rlcore.rewards.math_answers import (
     answers_equal,
-    extract_answer_tag,
     extract_boxed,
     extract_gsm8k_answer,
     extract_last_number,
+    extract_math_answer,
 )
 from rlcore.rewards.code_checks import CodeScore, check_program, extract_program, parse_tests
+from rlcore.rewards.math_verify_grader import math_verify_reward
 from rlcore.rewards.sandbox import SandboxLimits
 
 
@@ -60,6 +67,29 @@ def get_reward_fn(name_or_path: str) -> RewardFn:
         raise TypeError(f"{name_or_path!r} is a {type(fn).__name__}, "
                         "not a callable reward function")
     return fn
+
+
+# data_source of verl's preprocessing scripts (verl/examples/data_preprocess) -> the built-in that scores it.
+VERL_DATA_SOURCES = {
+    "openai/gsm8k": "gsm8k",
+    "lighteval/MATH": "math",
+    "DigitalLearningGmbH/MATH-lighteval": "math",
+    "HuggingFaceH4/MATH-500": "math",
+    "math_dapo": "math",
+    **{f"numina_{name}": "math" for name in ("aops_forum", "synthetic_math", "amc_aime", "synthetic_amc",
+                                             "cn_k12", "olympiads")},
+}
+VERL_SOURCE_PREFIXES = {"aime": "math"}  # aime_2024, aime2025, ... (verl: data_source.startswith("aime"))
+
+
+def reward_fn_for_source(source: str) -> str | None:
+    """The registered name that scores rows of this data_source: the source itself when registered,
+    else the built-in a verl data source maps to, else None."""
+    if source in _REGISTRY:
+        return source
+    if source in VERL_DATA_SOURCES:
+        return VERL_DATA_SOURCES[source]
+    return next((name for prefix, name in VERL_SOURCE_PREFIXES.items() if source.startswith(prefix)), None)
 
 
 def _load_module(where: str):
@@ -93,7 +123,9 @@ def gsm8k_reward(response: str, ground_truth: str, *, method: str = "strict",
 
     method="strict" reads only a "#### <number>" line, the format GSM8K's solutions use;
     method="flexible" falls back to the last number in the response. The ground truth may be a
-    bare number or a whole GSM8K solution ending in "#### <number>".
+    bare number (verl's gsm8k files: the number after "####", commas removed) or a whole GSM8K solution
+    ending in "#### <number>"; numbers compare by value, so "#### 1,000", "#### 1000.0" and "#### $1000"
+    all match "1000".
     """
     if method not in ("strict", "flexible"):
         raise ValueError(f"gsm8k method must be 'strict' or 'flexible', got {method!r}")
@@ -102,6 +134,7 @@ def gsm8k_reward(response: str, ground_truth: str, *, method: str = "strict",
         answer = extract_last_number(response)
     if answer is None:
         return 0.0
+    ground_truth = str(ground_truth)  # a parquet column of numbers: 72, not "72"
     truth = extract_gsm8k_answer(ground_truth) or ground_truth
     return 1.0 if answers_equal(answer, truth) else format_score
 
@@ -109,18 +142,21 @@ def gsm8k_reward(response: str, ground_truth: str, *, method: str = "strict",
 @register_reward_fn("math")
 def math_reward(response: str, ground_truth: str, *, format_score: float = 0.0,
                 **extra) -> float:
-    """1.0 when the last \\boxed{} (else the last <answer> tag) equals the ground truth.
+    """1.0 when the last \\boxed{} (else the last <answer> tag, else the last line starting "Answer:", the
+    form DAPO's prompts ask for) equals the ground truth.
 
     `format_score` rewards a wrong answer given in the right form; no answer scores 0.0. The
     ground truth may itself contain a \\boxed{} (MATH solutions), which is then what counts.
     """
-    answer = extract_boxed(response)
-    if answer is None:
-        answer = extract_answer_tag(response)
+    answer = extract_math_answer(response)
     if answer is None:
         return 0.0
+    ground_truth = str(ground_truth)
     truth = extract_boxed(ground_truth) or ground_truth
     return 1.0 if answers_equal(answer, truth) else format_score
+
+
+register_reward_fn("math_verify")(math_verify_reward)
 
 
 @register_reward_fn("code")
