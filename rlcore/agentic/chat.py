@@ -13,6 +13,11 @@ reply), and the text that closes an assistant turn is read off it (``"\\n"`` for
 template, ``"<|im_end|>\\n"`` for ChatML). A delta is the rendering of probe + new messages with
 the probe's rendering cut off the front, prefixed by whatever part of the end-of-turn text the
 model's own tokens lacked.
+
+Who uses it: the built-in envs (``Env.render_prompt`` / ``Env.render_turn`` in ``rlcore.agentic.env``),
+so both multi-turn paths (``MultiTurnRollout``, ``play_episode``) feed a chat model its own format,
+and the chat proxy's sessions. For the tiny models' template the ids are those of the plain
+``user: ...\nassistant: `` text the envs wrote before they rendered through the template.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ PROBE_REPLY = "\u2063reply\u2063"
 class ChatDelta:
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(f"{type(tokenizer).__name__} has no chat template: ChatDelta renders through it")
+            raise ValueError(f"{type(tokenizer).__name__} has no chat template: ChatDelta renders chat turns through "
+                             "it; set tokenizer.chat_template (rlcore.models.tiny.CHAT_TEMPLATE is a plain "
+                             "'role: content' one)")
         self.tokenizer = tokenizer
         probe = [{"role": "user", "content": PROBE_USER}]
         cue = self.render(probe, add_generation_prompt=True)
@@ -62,6 +69,11 @@ class ChatDelta:
             raise ValueError("the chat template re-renders the probe conversation when messages follow it; "
                              "delta rendering needs earlier turns to render the same")
         return self.encode(self._missing_end_of_turn(model_token_ids) + full[len(probe_text):])
+
+    def close_turn(self, model_token_ids: Sequence[int]) -> list[int]:
+        """The ids that close the model's turn and nothing more: the part of ``end_of_turn`` its
+        tokens lack (``[]`` when it wrote all of it)."""
+        return self.encode(self._missing_end_of_turn(model_token_ids))
 
     def _missing_end_of_turn(self, model_token_ids: Sequence[int]) -> str:
         """The part of ``end_of_turn`` the model's own text does not already end with."""

@@ -5,8 +5,15 @@ give back the tokens the policy sampled (merges, whitespace, special tokens), an
 log-probs the trainer recomputes describe a different sequence than the one the sampler scored.
 So the env receives the model's tokens untouched (it may decode them to *read* them) and answers
 with token ids it encoded itself with the policy's tokenizer; the episode only ever concatenates
-ids. (``rlcore.agentic.chat.ChatDelta`` renders a chat env's turns through the tokenizer's chat
-template, one delta at a time, so earlier ids never change.)
+ids.
+
+Chat envs speak in messages, rendered through the tokenizer's chat template (so a Qwen-style model
+gets its ``<|im_start|>`` turns, the tiny models their ``user: ...`` lines): ``render_prompt`` for the
+first context, then ``render_turn`` after each model turn, which renders only that turn's delta
+(``rlcore.agentic.chat.ChatDelta``): what closes the model's turn, the env's new messages and the
+assistant cue. Earlier ids never change, even where the template would re-render history (Qwen3
+drops the ``<think>`` blocks of earlier assistant turns), and the model's own ids stay as sampled.
+A chat env on a tokenizer without a chat template fails at construction, naming the env.
 
 Why asynchronous: a step may wait on a tool, a sandbox, a web request. ``await env.step(...)``
 lets the episode's coroutine yield, and the engine serves the other episodes meanwhile.
@@ -36,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rlcore.agentic.chat import ChatDelta
 from rlcore.registry import Registry
 
 Observation = list[int]
@@ -57,6 +65,28 @@ class Env(ABC):
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._chat: ChatDelta | None = None
+
+    @property
+    def chat(self) -> ChatDelta:
+        """The tokenizer's chat template as deltas, built on first use; a chat env touches it in
+        ``__init__`` so that a tokenizer without a template fails there."""
+        if getattr(self, "_chat", None) is None:
+            try:
+                self._chat = ChatDelta(self.tokenizer)
+            except ValueError as exc:
+                raise ValueError(f"{type(self).__name__} renders its turns through the chat template: {exc}") from exc
+        return self._chat
+
+    def render_prompt(self, messages: Sequence[Mapping[str, Any]], **template_kwargs: Any) -> Observation:
+        """The first context: ``messages`` through the chat template, with the assistant cue."""
+        return self.chat.prompt(messages, **template_kwargs)
+
+    def render_turn(self, action_token_ids: Sequence[int], messages: Sequence[Mapping[str, Any]],
+                    **template_kwargs: Any) -> Observation:
+        """What follows the model's turn ``action_token_ids``: the end-of-turn text it did not write,
+        ``messages`` (user / tool) and the assistant cue, as the template renders them after a reply."""
+        return self.chat.after_model_turn(action_token_ids, messages, **template_kwargs)
 
     def encode(self, text: str) -> Observation:
         """The env's text as token ids, no special tokens added (they are not the env's words)."""
@@ -108,12 +138,6 @@ class LatencyEnv(Env):
         return await self.env.step(action_token_ids)
 
 
-def user_turn(content: str) -> str:
-    """One user message and the assistant cue, in the tiny models' chat format
-    (``rlcore.models.tiny.CHAT_TEMPLATE``)."""
-    return f"user: {content}\nassistant: "
-
-
 @register_env("guess_number")
 class GuessNumberEnv(Env):
     """Guess a secret integer in [low, high]; the env answers "too high", "too low" or "correct".
@@ -122,6 +146,10 @@ class GuessNumberEnv(Env):
     turn: finding it sooner is worth more) or after ``max_turns`` guesses (reward 0). An answer
     is read as the first integer in the decoded text; one with no integer gets "say a number"
     and uses up its turn. The secret is the task's ``target``, or else drawn from its ``seed``.
+
+    The turns are user messages through the tokenizer's chat template. The final reply is no chat
+    turn (nothing follows it, and neither episode path appends it): the rest of the model's
+    end-of-turn and the verdict as plain text, for logs.
     """
 
     def __init__(self, tokenizer, low: int = 1, high: int = 100, max_turns: int = 6, discount: float = 0.9) -> None:
@@ -136,6 +164,7 @@ class GuessNumberEnv(Env):
         self.target: int | None = None
         self.turn = 0
         self.done = True
+        self.chat  # built now: a tokenizer without a chat template fails here, not mid-episode
 
     async def reset(self, task: Mapping[str, Any]) -> Observation:
         target = task.get("target")
@@ -144,7 +173,7 @@ class GuessNumberEnv(Env):
         if not self.low <= target <= self.high:
             raise ValueError(f"target {target} is outside [{self.low}, {self.high}]")
         self.target, self.turn, self.done = target, 0, False
-        return self.encode(user_turn(f"guess my number from {self.low} to {self.high}."))
+        return self.render_prompt([{"role": "user", "content": f"guess my number from {self.low} to {self.high}."}])
 
     async def step(self, action_token_ids: Sequence[int]) -> Result:
         if self.done:
@@ -157,9 +186,11 @@ class GuessNumberEnv(Env):
         else:
             reply = "say a number" if guess is None else ("too high" if guess > self.target else "too low")
             reward, self.done = 0.0, self.turn >= self.max_turns
-        # Nothing follows a final observation, so it carries no assistant cue.
-        text = "\n" + (reply if self.done else user_turn(reply))
-        return Result(reward, self.encode(text), terminated=self.done,
+        if self.done:  # nothing follows a final observation: no chat turn, no assistant cue
+            observation = self.chat.close_turn(action_token_ids) + self.encode(reply)
+        else:
+            observation = self.render_turn(action_token_ids, [{"role": "user", "content": reply}])
+        return Result(reward, observation, terminated=self.done,
                       info={"guessed": float(guess is not None), "turn": float(self.turn)})
 
 
@@ -172,13 +203,19 @@ class ArithmeticRetryEnv(Env):
     The prompt is the raw question, as the single-turn recipes pose it, so a policy trained on them
     starts out sometimes right; the retries make the episode multi-turn, and the discount makes
     being right at once worth the most. An answer is the decoded text, stripped, compared exactly.
+
+    ``chat_template`` (like ``data.apply_chat_template``; default off, as the single-turn recipes'
+    data): the question is a user message through the tokenizer's chat template and each retry a
+    delta after the model's turn, instead of the raw text and ``"\\n" + question``.
     """
 
-    def __init__(self, tokenizer, max_turns: int = 3, discount: float = 0.5) -> None:
+    def __init__(self, tokenizer, max_turns: int = 3, discount: float = 0.5, chat_template: bool = False) -> None:
         super().__init__(tokenizer)
         if max_turns < 1 or not 0.0 < discount <= 1.0:
             raise ValueError(f"arithmetic_retry needs max_turns >= 1 and discount in (0, 1], got {max_turns}, {discount}")
-        self.max_turns, self.discount = max_turns, discount
+        self.max_turns, self.discount, self.chat_template = max_turns, discount, bool(chat_template)
+        if self.chat_template:
+            self.chat  # built now: a tokenizer without a chat template fails here
         self.question = self.answer = ""
         self.turn, self.done = 0, True
 
@@ -187,7 +224,10 @@ class ArithmeticRetryEnv(Env):
         if not prompt or answer is None or str(answer).strip() == "":
             raise ValueError(f"arithmetic_retry needs a task with 'prompt' (the question) and 'answer', got {dict(task)}")
         self.question, self.answer, self.turn, self.done = prompt, str(answer).strip(), 0, False
-        return self.encode(prompt)
+        return self.render_prompt([self._ask()]) if self.chat_template else self.encode(prompt)
+
+    def _ask(self) -> dict[str, str]:
+        return {"role": "user", "content": self.question}
 
     async def step(self, action_token_ids: Sequence[int]) -> Result:
         if self.done:
@@ -196,5 +236,11 @@ class ArithmeticRetryEnv(Env):
         right = self.decode_action(action_token_ids).strip() == self.answer
         reward = self.discount ** (self.turn - 1) if right else 0.0
         self.done = right or self.turn >= self.max_turns
-        return Result(reward, [] if self.done else self.encode("\n" + self.question), terminated=self.done,
+        if self.done:
+            observation = []
+        elif self.chat_template:
+            observation = self.render_turn(action_token_ids, [self._ask()])
+        else:
+            observation = self.encode("\n" + self.question)
+        return Result(reward, observation, terminated=self.done,
                       info={"right": float(right), "turn": float(self.turn)})

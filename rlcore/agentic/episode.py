@@ -11,6 +11,11 @@ tokens the policy sampled (env tokens condition the policy but are not trained o
 sampler log-prob and the policy version that produced it (-1 on env tokens). Rewards are summed
 over turns and placed on the last model token.
 
+Chat formats: the episode only appends ids. The env renders its first prompt and each reply
+through the tokenizer's chat template as deltas (``Env.render_prompt`` / ``Env.render_turn``), so a
+real chat model gets its own format while the ids of earlier turns, and the model's sampled ids,
+stay exactly as they were (``tests/agentic/test_chat_template_turns.py``).
+
 Budget: an episode never exceeds ``max_total_tokens`` (prompt + all turns). A model turn gets at
 most ``min(sampling.max_new_tokens, tokens left)`` tokens and, like a response cut at
 ``max_new_tokens``, is still handed to the env. An env reply that would leave no room for another

@@ -10,7 +10,8 @@ the simple path and the baseline ``benchmarks/agentic.py`` measures that against
 
 Trajectories, budget and the layout are those of ``rlcore.agentic.episode`` (``play_episode``'s
 rules, turn for turn); tokens carry policy version 0 (the engine's weights do not change during a
-call).
+call). As there, the envs render their turns through the tokenizer's chat template as deltas, and
+the rollout only appends ids.
 """
 
 from __future__ import annotations
