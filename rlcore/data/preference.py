@@ -15,6 +15,15 @@ is its answer and rejected a wrong one of each kind in ``PAIR_KINDS``:
     random     another number from the range of the answers
     malformed  not an answer at all: empty, trailing junk ("15+"), a leading zero ("015"), the sum echoed ("12+3")
 
+one of each kind per problem (the held-out pairs: accuracy per kind on equal counts), or with
+``dense=True`` every one of them the problem has: each off-by-one-digit variant, ``n_random``
+distinct other numbers and all four malformed forms (~17 per problem; the training pairs). Dense
+pairs are what make the reward model usable as an RL reward: a policy samples many wrong answers
+per prompt and the reward model must rank the right one above all of them, not above one of each
+kind. Trained on one pair per kind, the tiny reward model reached 0.83 held-out pair accuracy yet
+RL on it drove the rule reward down (the policy found the wrong answers it scored high); trained
+on dense pairs it reached 0.90 and RL on it raises the rule reward (README, "Reward model").
+
 The rule reward ("arithmetic") scores every chosen response 1 and every rejected one 0, so a reward
 model that ranks these pairs agrees with the rule on them.
 
@@ -85,29 +94,60 @@ def _malformed(answer: str, prompt: str, rng: random.Random) -> str:
     return prompt.rstrip("=")
 
 
-def make_arithmetic_pairs(rows: Sequence[dict[str, str]], seed: int,
-                          kinds: Sequence[str] = PAIR_KINDS) -> list[dict[str, str]]:
-    """One pair per (problem, kind) of arithmetic rows (``make_split``'s), the same for the same
-    seed: {"prompt", "chosen": the answer, "rejected": a wrong response of that kind, "kind"}."""
+def _digit_variants(answer: str) -> list[str]:
+    """Every string that is the answer with one digit moved one up or down (no new leading zero)."""
+    sign, digits = ("-", answer[1:]) if answer.startswith("-") else ("", answer)
+    out = []
+    for i, ch in enumerate(digits):
+        lowest = 1 if (i == 0 and len(digits) > 1) else 0
+        out += [sign + digits[:i] + str(int(ch) + step) + digits[i + 1:]
+                for step in (-1, 1) if lowest <= int(ch) + step <= 9]
+    return list(dict.fromkeys(out))
+
+
+def _all_malformed(answer: str, prompt: str, rng: random.Random) -> list[str]:
+    return ["", answer + rng.choice("+-="), "0" + answer, prompt.rstrip("=")]
+
+
+def _dense_rejections(answer: str, prompt: str, low: int, high: int, n_random: int,
+                      rng: random.Random) -> list[tuple[str, str]]:
+    digits = _digit_variants(answer)
+    pool = [str(v) for v in range(low, high + 1) if str(v) != answer and str(v) not in digits]
+    randoms = rng.sample(pool, min(n_random, len(pool)))
+    return ([(v, "digit") for v in digits] + [(v, "random") for v in randoms]
+            + [(v, "malformed") for v in _all_malformed(answer, prompt, rng)])
+
+
+def make_arithmetic_pairs(rows: Sequence[dict[str, str]], seed: int, kinds: Sequence[str] = PAIR_KINDS,
+                          dense: bool = False, n_random: int = 10) -> list[dict[str, str]]:
+    """Pairs of arithmetic rows (``make_split``'s), the same for the same seed: {"prompt", "chosen":
+    the answer, "rejected": a wrong response, "kind"}; one per (problem, kind), or with ``dense``
+    every wrong response of those kinds the module docstring lists (``n_random`` random numbers)."""
     unknown = sorted(set(kinds) - set(PAIR_KINDS))
     if unknown or not kinds:
         raise ValueError(f"pair kinds must come from {PAIR_KINDS}, got {list(kinds)}")
     if not rows:
         raise ValueError("make_arithmetic_pairs got no rows")
+    if n_random < 0:
+        raise ValueError(f"n_random must be >= 0, got {n_random}")
     rng = random.Random(seed)
     answers = [int(r["answer"]) for r in rows]
     low, high = min(min(answers), 0), max(answers)
     pairs = []
     for row in rows:
         answer, prompt = str(row["answer"]), row["prompt"]
-        for kind in kinds:
-            if kind == "digit":
-                rejected = _off_by_one_digit(answer, rng)
-            elif kind == "random":
-                rejected = _random_number(answer, low, high, rng)
-            else:
-                rejected = _malformed(answer, prompt, rng)
-            pairs.append({"prompt": prompt, "chosen": answer, "rejected": rejected, "kind": kind})
+        if dense:
+            rejections = [(v, k) for v, k in _dense_rejections(answer, prompt, low, high, n_random, rng) if k in kinds]
+        else:
+            rejections = []
+            for kind in kinds:
+                if kind == "digit":
+                    rejections.append((_off_by_one_digit(answer, rng), kind))
+                elif kind == "random":
+                    rejections.append((_random_number(answer, low, high, rng), kind))
+                else:
+                    rejections.append((_malformed(answer, prompt, rng), kind))
+        pairs += [{"prompt": prompt, "chosen": answer, "rejected": v, "kind": k} for v, k in rejections]
     return pairs
 
 

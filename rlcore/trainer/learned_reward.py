@@ -15,9 +15,10 @@ judged by the same number as one without.
 
 Pair data (``build_pair_data``). ``data.train_files`` / ``data.val_files`` name pair files
 (``rlcore.data.preference``); with both null, pairs are built from the arithmetic task's prompt
-files (``data.arithmetic``: each problem paired with a wrong answer of every kind) and written
-next to them once, so the reward model trains on the RL recipes' own training prompts and is
-measured on their held-out ones.
+files (``data.arithmetic``: for training, each problem paired with every wrong answer of every kind,
+``pairs_train_dense.jsonl``; held out, with one of each kind, ``pairs_val.jsonl``) and written next
+to them once, so the reward model trains on the RL recipes' own training prompts and is measured
+on their held-out ones.
 """
 
 from __future__ import annotations
@@ -90,11 +91,13 @@ def pair_files(cfg: DictConfig) -> tuple[Any, Any]:
         return data_files(cfg)  # both required
     out = []
     for split, prompts in zip(("train", "val"), data_files(cfg)):
-        target = Path(prompts).with_name(f"pairs_{split}.jsonl")
+        dense = split == "train"
+        target = Path(prompts).with_name(f"pairs_{split}{'_dense' if dense else ''}.jsonl")
         if not target.exists():
             rows, _ = read_records(prompts)
             seed = cfg.data.arithmetic.seed + (split == "val")
-            partial = write_pairs_jsonl(target.with_suffix(f".{os.getpid()}.tmp"), make_arithmetic_pairs(rows, seed))
+            pairs = make_arithmetic_pairs(rows, seed, dense=dense)
+            partial = write_pairs_jsonl(target.with_suffix(f".{os.getpid()}.tmp"), pairs)
             os.replace(partial, target)  # whole or absent, if two runs write it at once
         out.append(str(target))
     return out[0], out[1]

@@ -52,6 +52,30 @@ def test_arithmetic_pairs_put_the_answer_above_a_wrong_one_of_every_kind():
         make_arithmetic_pairs(rows, seed=0, kinds=("typo",))
 
 
+def test_dense_arithmetic_pairs_hold_every_wrong_answer_of_each_kind():
+    rows = [{"prompt": "12+3=", "answer": "15"}, {"prompt": "0+4=", "answer": "4"}, {"prompt": "19+19=", "answer": "38"}]
+    pairs = make_arithmetic_pairs(rows, seed=3, dense=True, n_random=5)
+    assert pairs == make_arithmetic_pairs(rows, seed=3, dense=True, n_random=5)
+    by_problem = {r["prompt"]: [p for p in pairs if p["prompt"] == r["prompt"]] for r in rows}
+    # by hand: 15 -> 05 is a leading zero, so 25, 14, 16; 4 -> 3, 5; 38 -> 28, 48, 37, 39
+    expected_digits = {"12+3=": ["25", "14", "16"], "0+4=": ["3", "5"], "19+19=": ["28", "48", "37", "39"]}
+    for row in rows:
+        group = by_problem[row["prompt"]]
+        assert all(p["chosen"] == row["answer"] for p in group)
+        assert [p["rejected"] for p in group if p["kind"] == "digit"] == expected_digits[row["prompt"]]
+        randoms = [p["rejected"] for p in group if p["kind"] == "random"]
+        assert len(randoms) == len(set(randoms)) == 5
+        assert all(0 <= int(v) <= 38 and v != row["answer"] and v not in expected_digits[row["prompt"]] for v in randoms)
+        malformed = [p["rejected"] for p in group if p["kind"] == "malformed"]
+        assert malformed[0] == "" and malformed[2] == "0" + row["answer"] and malformed[3] == row["prompt"][:-1]
+        assert malformed[1][:-1] == row["answer"] and malformed[1][-1] in "+-="
+        assert all(arithmetic_reward(p["rejected"], row["answer"]) == 0.0 for p in group)
+    only_digits = make_arithmetic_pairs(rows, seed=3, kinds=("digit",), dense=True)
+    assert [p["rejected"] for p in only_digits] == sum(expected_digits.values(), [])
+    with pytest.raises(ValueError, match="n_random"):
+        make_arithmetic_pairs(rows, seed=0, dense=True, n_random=-1)
+
+
 def test_pair_tokens_and_layout_by_hand(tmp_path, tok):
     f = write_pairs_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "1+2=", "chosen": "3", "rejected": "13", "kind": "digit"},
