@@ -75,7 +75,7 @@ CONSOLE_KEYS = (
 
 
 LOCK_FILE = "run.lock"
-RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR)  # what a run leaves in its folder
+RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR, "wandb", "mlruns")  # what a run leaves in its folder
 
 
 class RunFolderError(RuntimeError):
@@ -126,6 +126,7 @@ class TrainingRun:
         self.ckpt_dir = self.dir / "checkpoints"
         self.timer = Timer()
         self.last_val: dict[str, float] = {}
+        self._failed = False  # the run's block ended by an exception
         self._exported_at: int | None = None  # the step of the last checkpoint this run exported
         self._teardown = contextlib.ExitStack()
         try:
@@ -154,7 +155,7 @@ class TrainingRun:
         truncate_jsonl_after(self.dir / "metrics.jsonl", self.start_step if self.start_step else -1)
         self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir,
                                config=self.cfg, total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
-        self._teardown.callback(self.tracker.close)
+        self._teardown.callback(lambda: self.tracker.close(failed=self._failed))
         save_run_config(self.cfg, self.dir)
 
     # ------------------------------------------------------------------ the loop
@@ -220,7 +221,8 @@ class TrainingRun:
     def __enter__(self) -> "TrainingRun":
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, *exc_info) -> None:
+        self._failed = exc_type is not None  # W&B / MLflow mark the run failed
         self.close()
 
     def on_close(self, callback: Callable[[], Any]) -> None:

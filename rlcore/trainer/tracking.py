@@ -175,9 +175,9 @@ class _Wandb:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self.run.log(dict(metrics), step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         try:
-            self.run.finish()
+            self.run.finish(exit_code=1 if failed else 0)  # a crashed run shows as failed
         finally:
             _Wandb.open_runs -= 1
             if _Wandb.open_runs == 0:
@@ -267,8 +267,8 @@ class _Mlflow:
         rows = [self.entities.Metric(self.metric_name(k), float(v), ms, step) for k, v in metrics.items()]
         self.client.log_batch(self.run_id, metrics=rows)
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
 
 
 class Tracker:
@@ -325,13 +325,14 @@ class Tracker:
         for backend in self.backends.values():
             backend.log(values, step)
 
-    def close(self) -> None:
-        """Close every backend, even when one fails (the first failure is raised after)."""
+    def close(self, failed: bool = False) -> None:
+        """Close every backend, even when one fails (the first failure is raised after). ``failed``:
+        the run ended by an exception, which W&B and MLflow record as the run's state."""
         backends, self.backends = self.backends, {}
         failure = None
         for backend in backends.values():
             try:
-                backend.close()
+                backend.close(failed) if isinstance(backend, (_Wandb, _Mlflow)) else backend.close()
             except Exception as e:
                 failure = failure or e
         if failure is not None:
@@ -340,8 +341,8 @@ class Tracker:
     def __enter__(self) -> Tracker:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.close(failed=exc_type is not None)
 
 
 def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -96,6 +96,17 @@ def test_mlflow_file_store_holds_the_logged_steps_values_config_and_names(tmp_pa
     assert json.loads(Path(local).read_text()) == CONFIG
 
 
+def test_a_run_ended_by_an_exception_is_marked_failed(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with pytest.raises(RuntimeError, match="boom"):
+        with Tracker(["mlflow"], project="proj", experiment="crashed", log_dir=tmp_path) as tracker:
+            tracker.log({"loss": 1.0}, step=1)
+            raise RuntimeError("boom")
+    client = mlflow_tracking.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
+    run = the_run(client, "proj")
+    assert run.info.run_name == "crashed" and run.info.status == "FAILED"
+
+
 def test_mlflow_uses_the_users_tracking_uri_and_an_existing_experiment(tmp_path, monkeypatch):
     store = (tmp_path / "elsewhere").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
