@@ -34,6 +34,8 @@ from rlcore.trainer.config import load_config
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.run_checkpoint import STATE_FILE
 
+from run_stubs import EmptyLoader
+
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 LENGTH_REWARD = Path(__file__).parent.parent / "recipes" / "length_reward.py"  # a random model's samples score apart
 HF_FILES = ("config.json", "tokenizer.json", "model.safetensors")
@@ -83,21 +85,10 @@ class StubActor:
         pass
 
 
-class Loader:
-    def __iter__(self):
-        return iter(())
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
-
 def stub_run(tmp_path: Path, actor: StubActor, **trainer) -> TrainingRun:
     cfg = load_config({"trainer": {"output_dir": str(tmp_path), "loggers": ["jsonl"], "val_freq": 0, **trainer}},
                       ["trainer"])
-    with TrainingRun(cfg, Workers(group=actor, actor=actor), Loader(), validate=dict) as run:
+    with TrainingRun(cfg, Workers(group=actor, actor=actor), EmptyLoader(), validate=dict) as run:
         for step in run.steps():
             run.end_step(step, {})
     return run

@@ -21,6 +21,8 @@ from rlcore.trainer.run_checkpoint import (
 )
 from rlcore.workers.actor import ActorWorker
 
+from run_stubs import EmptyLoader
+
 
 def draws():
     return random.random(), np.random.rand(), torch.rand(3).tolist()
@@ -112,17 +114,6 @@ def test_a_failed_driver_state_write_names_the_file_and_keeps_the_previous_check
     assert load_run_state(tmp_path / "global_step_2")["loader"] == 2
 
 
-class Loader:
-    def __iter__(self):
-        return iter(())
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
-
 def test_a_full_disk_during_a_worker_save_names_the_file_and_resume_takes_the_previous_one(tmp_path, monkeypatch):
     model = build_tiny_model(tmp_path / "model", hidden_size=32, num_heads=2, num_kv_heads=1)
 
@@ -131,7 +122,7 @@ def test_a_full_disk_during_a_worker_save_names_the_file_and_resume_takes_the_pr
                                                                   "backend": "local", **trainer}}, ["model", "trainer"])
         group = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, {"model": {"path": model}}))
         group.init_model()
-        return TrainingRun(cfg, Workers(group=group, actor=group), Loader(), validate=dict)
+        return TrainingRun(cfg, Workers(group=group, actor=group), EmptyLoader(), validate=dict)
 
     with run() as first:
         first.save(1)

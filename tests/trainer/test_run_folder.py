@@ -10,27 +10,18 @@ from rlcore.trainer.config import load_config
 from rlcore.trainer.loop import RunFolderError, TrainingRun
 from rlcore.trainer.tracking import read_jsonl_metrics
 
+from run_stubs import EmptyLoader
+
 
 class NoGroup:
     def shutdown(self):
         self.closed = True
 
 
-class Loader:
-    def __iter__(self):
-        return iter(())
-
-    def state_dict(self):
-        return {}
-
-    def load_state_dict(self, state):
-        pass
-
-
 def start(tmp_path, **trainer) -> TrainingRun:
     cfg = load_config({"trainer": {"output_dir": str(tmp_path), "loggers": ["jsonl"], "val_freq": 0, **trainer}},
                       ["trainer"])
-    return TrainingRun(cfg, Workers(group=NoGroup()), Loader(), validate=dict)
+    return TrainingRun(cfg, Workers(group=NoGroup()), EmptyLoader(), validate=dict)
 
 
 def one_step_run(tmp_path, **trainer) -> TrainingRun:
