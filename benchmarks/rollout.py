@@ -101,7 +101,7 @@ def spawn(backend: str, args: argparse.Namespace) -> dict:
            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
            "--sync-repeats", str(args.sync_repeats), "--kv-cache-mb", str(args.kv_cache_mb)]
     env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TRANSFORMERS_VERBOSITY": "error"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not results:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -131,8 +131,14 @@ def main() -> None:
     parser.add_argument("--sync-repeats", type=int, default=5, help="timed syncs (median reported)")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM KV cache size")
     parser.add_argument("--model-dir", help="reuse this model directory instead of building one")
+    parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit of one backend's subprocess")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 4 prompts x 8 tokens, hf and vllm-fp32")
+    parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--child", choices=list(BACKENDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.preset, args.prompts, args.new_tokens, args.sync_repeats = "tiny", 4, 8, 2
+        args.backends, args.kv_cache_mb = "hf,vllm-fp32", 64
 
     if args.child:
         print("RESULT " + json.dumps(run_one(args)), flush=True)
@@ -151,6 +157,18 @@ def main() -> None:
             rows.append(spawn(backend, args))
             print(f"{backend}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
         report(rows, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary(rows, args), f, indent=2)
+
+
+def summary(rows: list[dict], args: argparse.Namespace) -> dict:
+    """The rows, and per backend its tokens/s and its sync time over a plain copy_ (the issue's ratio)."""
+    out: dict = {"preset": args.preset, "prompts": args.prompts, "new_tokens": args.new_tokens, "rows": rows}
+    for r in rows:
+        out[f"{r['backend']}_tokens_per_s"] = float(r["tokens_per_s"])
+        out[f"{r['backend']}_sync_over_copy"] = float(r["sync_s"] / r["copy_s"])
+    return out
 
 
 if __name__ == "__main__":
