@@ -105,7 +105,7 @@ class _Console:
         self.bar.write(line, file=sys.stdout)
         self.bar.update(max(0, step - self.bar.n))
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.bar is not None:
             self.bar.close()
 
@@ -121,7 +121,7 @@ class _Jsonl:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()  # a crash loses at most the line being written
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.file.close()
 
 
@@ -138,7 +138,7 @@ class _TensorBoard:
             self.writer.add_scalar(k, v, global_step=step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -332,7 +332,7 @@ class Tracker:
         failure = None
         for backend in backends.values():
             try:
-                backend.close(failed) if isinstance(backend, (_Wandb, _Mlflow)) else backend.close()
+                backend.close(failed)
             except Exception as e:
                 failure = failure or e
         if failure is not None:
