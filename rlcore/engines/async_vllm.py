@@ -35,10 +35,10 @@ import torch
 
 from rlcore.engines.async_base import AsyncEngine, Completion
 from rlcore.engines.base import RolloutConfig, SamplingSettings
+from rlcore.engines.dtype_choice import default_vllm_dtype
 from rlcore.engines.weights import WeightBucket
 from rlcore.models.config import ModelConfig, torch_dtype
 
-DEFAULT_DTYPE = "bfloat16"
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
@@ -51,8 +51,9 @@ class AsyncVLLMEngine(AsyncEngine):
         extra = {}
         if rollout_cfg.kv_cache_memory_bytes is not None:
             extra["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
+        self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
         args = AsyncEngineArgs(
-            model=model_cfg.require_path(), dtype=torch_dtype(rollout_cfg.dtype or DEFAULT_DTYPE, "rollout.dtype"),
+            model=model_cfg.require_path(), dtype=torch_dtype(self.dtype, "rollout.dtype"),
             enforce_eager=rollout_cfg.enforce_eager, max_model_len=rollout_cfg.max_model_len,
             gpu_memory_utilization=rollout_cfg.gpu_memory_utilization, seed=rollout_cfg.seed + rank,
             logprobs_mode="processed_logprobs", worker_extension_cls="rlcore.engines.vllm_worker.BucketLoader",

@@ -42,7 +42,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # stop strings (matched on the generated text; their tokens are kept)
     stop_token_ids: list[int] = field(default_factory=list)  # extra token ids that end a response (eos does too)
     ignore_eos: bool = False  # true: eos does not end a response (fixed-length rollouts, benchmarks)
-    dtype: str | None = None  # engine weights; null: model.dtype for hf, bfloat16 for vllm
+    dtype: str | None = None  # engine weights; null: model.dtype for hf; for vllm bfloat16 where native, else float32 (dtype_choice)
     gpu_memory_utilization: float = 0.1  # vllm: fraction of device memory (on CPU: of RAM) for the KV cache
     kv_cache_memory_bytes: int | None = None  # vllm: KV cache size in bytes; overrides gpu_memory_utilization
     max_model_len: int | None = None  # vllm: longest prompt + response; null: the model's max positions

