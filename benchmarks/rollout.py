@@ -9,7 +9,8 @@ Generation samples at temperature 1 with ``ignore_eos``, so every backend produc
 prompts x new-tokens tokens. Each engine is warmed up with one small batch before timing.
 
 Weight sync: ``update_weights`` with the model's own full state dict (what the actor hands over),
-against a plain ``param.copy_`` of the same tensors into an HF model of the engine's dtype.
+against a plain ``param.copy_`` of the same tensors into an HF model of the engine's dtype; for
+vLLM also the path it took (in place, or vLLM's loader) and the part spent in vLLM's packing.
 """
 
 from __future__ import annotations
@@ -79,7 +80,12 @@ def run_one(args: argparse.Namespace) -> dict:
     dtype = torch.float32 if rollout_cfg.get("dtype", "float32") == "float32" else torch.bfloat16
     state = AutoModelForCausalLM.from_pretrained(args.model_dir).state_dict()
     # One untimed round each first: the first touch of freshly loaded memory is not what a sync costs.
-    sync_s = [wg.update_weights(state)[0]["rollout/weight_sync_s"] for _ in range(1 + args.sync_repeats)][1:]
+    engine = wg.worker().engine
+    sync_s, pack_s = [], []
+    for _ in range(1 + args.sync_repeats):
+        sync_s.append(wg.update_weights(state)[0]["rollout/weight_sync_s"])
+        pack_s.append(getattr(engine, "last_pack_s", None))  # vLLM in place: its own packing of the layers
+    sync_s, pack_s = sync_s[1:], pack_s[1:]
     target = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).state_dict()
     copy_s = []
     for _ in range(1 + args.sync_repeats):
@@ -92,6 +98,8 @@ def run_one(args: argparse.Namespace) -> dict:
     return {
         "backend": args.child, "init_s": init_s, "gen_s": gen_s, "tokens": n_tokens, "tokens_per_s": n_tokens / gen_s,
         "sync_s": statistics.median(sync_s), "copy_s": statistics.median(copy_s),
+        "sync_path": getattr(engine, "last_sync_path", "in_place"),
+        "pack_s": statistics.median(pack_s) if None not in pack_s else None,
         "params": sum(t.numel() for t in state.values()), "torch_threads": torch.get_num_threads(),
     }
 
@@ -114,11 +122,14 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"\npreset={args.preset} ({rows[0]['params'] / 1e6:.1f}M params), {args.prompts} prompts of <= "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens each, sampling T=1, 2-core CPU\n")
     print(f"{'backend':<10} {'start s':>8} {'gen s':>8} {'tokens/s':>9} {'vs hf':>6} {'sync ms':>8} {'copy_ ms':>9} "
-          f"{'sync/copy_':>10}")
+          f"{'sync/copy_':>10} {'pack ms':>8}  sync path")
     for r in rows:
+        pack = f"{1e3 * r['pack_s']:8.1f}" if r.get("pack_s") is not None else f"{'-':>8}"
         print(f"{r['backend']:<10} {r['init_s']:8.1f} {r['gen_s']:8.2f} {r['tokens_per_s']:9.0f} "
               f"{r['tokens_per_s'] / base['tokens_per_s']:6.2f} {1e3 * r['sync_s']:8.1f} {1e3 * r['copy_s']:9.1f} "
-              f"{r['sync_s'] / r['copy_s']:10.1f}")
+              f"{r['sync_s'] / r['copy_s']:10.1f} {pack}  {r.get('sync_path')}")
+    print("pack ms: the part of an in-place vLLM sync spent in vLLM's own packing of the layers' matmul weights "
+          "(oneDNN on CPU), the floor of any update into those kernels")
 
 
 def main() -> None:

@@ -2,15 +2,17 @@
 
 vLLM mixes this class into its worker, so ``collective_rpc("load_bucket_file", ...)`` runs it next
 to the model: it maps the bucket's shared-memory file (no copy through the RPC), views each tensor
-in it, and reloads those weights in place through vLLM's own loader (HF names mapped onto fused
-q/k/v and gate/up parameters, cast to the engine's dtype). ``reload_weights`` is that reload, shared
-with ``VLLMEngine.load_weights``; on vLLM's CPU build it also prepacks MoE experts again
-(``repack_cpu_experts``). This module must not import anything heavy: vLLM imports it in its worker
-at start-up.
+in it, and loads those weights with ``reload_weights``, shared with ``VLLMEngine.load_weights``:
+in place for a dense model on vLLM's CPU build (``InPlacePlan``: copies into the engine's tensors
+and vLLM's own packing of each layer), through vLLM's layerwise reload otherwise (HF names mapped
+onto fused q/k/v and gate/up parameters, cast to the engine's dtype; on the CPU build MoE experts
+prepacked again: ``repack_cpu_experts``). This module must not import anything heavy: vLLM
+imports it in its worker at start-up.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 
 import torch
@@ -32,11 +34,159 @@ class BucketLoader:
         return len(tensors)
 
 
-def reload_weights(model_runner, named_tensors) -> None:
-    """Reload HF-named weights into the worker's model in place (``model_runner.reload_weights``),
-    with the fix an MoE model needs on vLLM's CPU build (see ``repack_cpu_experts``)."""
-    with repack_cpu_experts(model_runner.get_model()):
+def reload_weights(model_runner, named_tensors) -> str:
+    """Load HF-named weights into the worker's model; returns the path taken.
+
+    ``"in_place"``: a dense model on vLLM's CPU build, through ``InPlacePlan`` (copies into the
+    engine's own tensors, then the engine's own post-processing of the layers that need it).
+    ``"loader"``: anything else (MoE, quantized or tensor-parallel layers, names the plan does not
+    know, a fused layer only part of which is in this update, other platforms), through
+    ``model_runner.reload_weights`` (vLLM's layerwise reload), with the fix an MoE model needs on
+    vLLM's CPU build (see ``repack_cpu_experts``)."""
+    named_tensors = list(named_tensors)
+    model = model_runner.get_model()
+    plan = model.__dict__.get("_rlcore_in_place_plan")
+    if plan is None:
+        plan = model.__dict__["_rlcore_in_place_plan"] = InPlacePlan(model)
+    if plan.covers(named_tensors):
+        plan.load(named_tensors)
+        return "in_place"
+    with repack_cpu_experts(model):
         model_runner.reload_weights(weights_iterator=unfuse_experts(named_tensors))
+    return "loader"
+
+
+class InPlacePlan:
+    """Where each HF weight goes in a dense vLLM model on the CPU build, worked out once per name.
+
+    Why not vLLM's reload for every update: it rebuilds each layer in checkpoint layout, runs the
+    per-parameter weight loaders in Python and re-processes every layer; for 25M parameters it took
+    ~9x a plain ``copy_`` of the same bytes (``benchmarks/rollout.py``). Here an update is, per
+    layer, copies into the engine's tensors plus that layer's own post-processing, nothing else:
+
+    - norms, biases, embeddings, the LM head: ``copy_`` into the live parameter (the vocabulary rows
+      of a padded embedding only); embeddings and LM heads then re-run their method's
+      ``process_weights_after_loading``, which on CPU packs the LM head's matmul again;
+    - linear layers: on CPU vLLM keeps no weight tensor, only a oneDNN handle packed from it. The
+      HF parts (q/k/v into ``qkv_proj``, gate/up into ``gate_up_proj``, at the offsets of the layer's
+      ``output_sizes``) are copied into one reused staging buffer in the checkpoint layout, which is
+      handed to the layer's ``process_weights_after_loading``: vLLM's own packing, as at start-up.
+      That packing is the floor of a CPU update (measured ~0.6 ms fixed per layer plus the reorder).
+
+    A name the plan cannot place (no target, another shape, MoE experts, tensor parallelism, a
+    quantized method, a GPU build) gets no target, and ``reload_weights`` uses vLLM's loader.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+        from vllm.platforms import current_platform
+
+        self.enabled = current_platform.is_cpu()
+        self.modules = dict(model.named_modules())
+        self.live = dict(model.named_parameters(remove_duplicate=False))
+        packed = getattr(model, "packed_modules_mapping", None) or {}
+        self.part_of = {part: (fused, i) for fused, parts in packed.items() for i, part in enumerate(parts)}
+        self.owners: dict[int, list] = {}  # parameter id -> the embedding-like modules using it (a tied LM head too)
+        for module in self.modules.values():
+            if isinstance(module, VocabParallelEmbedding):
+                self.owners.setdefault(id(module.weight), []).append(module)
+        # HF name -> ("param", tensor view, modules to post-process) or ("linear", module name, row offset)
+        self.targets: dict[str, tuple | None] = {}
+        self.linears: dict[str, tuple] = {}  # module name -> (module, (rows, cols), dtype, number of HF parts)
+        self.staging: torch.Tensor | None = None
+
+    def covers(self, named_tensors: list) -> bool:
+        """Whether every tensor has a target and every fused layer touched gets all its parts."""
+        if not self.enabled or not named_tensors:
+            return False
+        parts: dict[str, int] = {}
+        for name, tensor in named_tensors:
+            if name not in self.targets:
+                self.targets[name] = self._place(name, tensor)
+            target = self.targets[name]
+            if target is None:
+                return False
+            if target[0] == "linear":
+                parts[target[1]] = parts.get(target[1], 0) + 1
+        return all(count == self.linears[name][3] for name, count in parts.items())
+
+    def _place(self, name: str, tensor: torch.Tensor) -> tuple | None:
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+        module_name, _, leaf = name.rpartition(".")
+        parent, _, short = module_name.rpartition(".")
+        fused, index = self.part_of.get(short, (short, None))
+        target_name = f"{parent}.{fused}" if parent else fused
+        module = self.modules.get(target_name)
+        if isinstance(module, LinearBase):
+            if (leaf != "weight" or type(module.quant_method) is not UnquantizedLinearMethod
+                    or getattr(module, "tp_size", 1) != 1 or tensor.ndim != 2):
+                return None
+            sizes = list(getattr(module, "output_sizes", None) or [module.output_size])
+            index = index or 0
+            if index >= len(sizes) or tensor.shape[0] != sizes[index]:
+                return None
+            shape = (sum(sizes), tensor.shape[1])
+            if module.weight.numel() == shape[0] * shape[1] and tuple(module.weight.shape) == shape:
+                offset = sum(sizes[:index])  # a weight vLLM kept (no packed kernel): copy into its rows
+                return ("param", module.weight.data[offset: offset + sizes[index]], [])
+            if module.weight.numel() != 0:
+                return None
+            known = self.linears.get(target_name)
+            if known is not None and known[1] != shape:
+                return None
+            self.linears[target_name] = (module, shape, module.params_dtype, len(sizes))
+            return ("linear", target_name, sum(sizes[:index]))
+        param = self.live.get(name)
+        if index is not None or param is None or leaf not in ("weight", "bias"):
+            return None
+        if param.shape == tensor.shape:
+            view = param.data
+        elif (id(param) in self.owners and param.ndim == 2 == tensor.ndim
+              and param.shape[1] == tensor.shape[1] and param.shape[0] >= tensor.shape[0]):
+            view = param.data[: tensor.shape[0]]  # a vocabulary padded to a multiple of 64: its real rows
+        else:
+            return None
+        return ("param", view, self.owners.get(id(param), []))
+
+    @torch.no_grad()
+    def load(self, named_tensors: list) -> None:
+        by_linear: dict[str, list] = {}
+        to_process: list = []
+        for name, tensor in named_tensors:
+            target = self.targets[name]
+            if target[0] == "param":
+                target[1].copy_(tensor)
+                to_process += [m for m in target[2] if all(m is not seen for seen in to_process)]
+            else:
+                by_linear.setdefault(target[1], []).append((target[2], tensor))
+        start = time.perf_counter()
+        pack_s = 0.0
+        for module_name, parts in by_linear.items():
+            module, (rows, cols), dtype, _ = self.linears[module_name]
+            weight = self._staging(rows * cols, dtype).view(rows, cols)
+            for offset, tensor in parts:
+                weight[offset: offset + tensor.shape[0]].copy_(tensor)
+            # vLLM packs from layer.weight, then swaps in an empty tensor: the staging buffer is free
+            # for the next layer as soon as the call returns.
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+            packing = time.perf_counter()
+            module.quant_method.process_weights_after_loading(module)
+            pack_s += time.perf_counter() - packing
+            if module.weight.data_ptr() == weight.data_ptr():  # vLLM kept it (no packed kernel after all)
+                module.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+        packing = time.perf_counter()
+        for module in to_process:
+            module.quant_method.process_weights_after_loading(module)
+        pack_s += time.perf_counter() - packing
+        self.last_pack_s, self.last_load_s = pack_s, time.perf_counter() - start  # for benchmarks/rollout.py
+
+    def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """One buffer for every layer's checkpoint-layout weight, kept across updates (a fresh one
+        each time would pay for its pages again)."""
+        if self.staging is None or self.staging.numel() < numel or self.staging.dtype != dtype:
+            self.staging = torch.empty(numel, dtype=dtype)
+        return self.staging[:numel]
 
 
 @contextmanager
