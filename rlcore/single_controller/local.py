@@ -69,5 +69,8 @@ class LocalWorkerGroup(WorkerGroup):
     def _query_mesh(self, role: str, mesh_name: str) -> list[dict]:
         return [host.mesh_info(role, mesh_name) for host in self.hosts]
 
+    def _busy_seconds(self) -> list[float]:
+        return [host.busy_seconds() for host in self.hosts]
+
     def shutdown(self) -> None:
         self.hosts = []

@@ -125,6 +125,9 @@ class RayWorkerGroup(WorkerGroup):
     def _query_mesh(self, role: str, mesh_name: str) -> list[dict]:
         return self._get([h.mesh_info.remote(role, mesh_name) for h in self.hosts], "mesh_info", 60)
 
+    def _busy_seconds(self) -> list[float]:
+        return self._get([h.busy_seconds.remote() for h in self.hosts], "busy_seconds", 60)
+
     def shutdown(self) -> None:
         """Kill this group's actors (the resource pool stays, so another group can use it)."""
         for host in self.hosts:

@@ -11,6 +11,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,7 @@ class WorkerHost:
 
     def __init__(self) -> None:
         self.workers: dict[str, Any] = {}
+        self.busy_s = 0.0  # seconds inside worker methods (``WorkerGroup.busy_seconds``)
 
     def master_address(self) -> tuple[str, int]:
         return node_ip(), free_port()
@@ -181,7 +183,14 @@ class WorkerHost:
     def execute(self, role: str, method: str, /, *args, **kwargs) -> Any:
         args = tuple(a.resolve() if isinstance(a, RemoteChunk) else a for a in args)
         kwargs = {k: v.resolve() if isinstance(v, RemoteChunk) else v for k, v in kwargs.items()}
-        return getattr(self.workers[role], method)(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            return getattr(self.workers[role], method)(*args, **kwargs)
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    def busy_seconds(self) -> float:
+        return self.busy_s
 
     def mesh_info(self, role: str, mesh_name: str) -> dict:
         return self.workers[role]._mesh_info(mesh_name)

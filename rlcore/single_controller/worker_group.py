@@ -237,6 +237,12 @@ class WorkerGroup:
             }
         return self._mesh_cache[key]
 
+    def busy_seconds(self) -> list[float]:
+        """Per rank, the seconds spent inside worker methods so far (the rank's own compute, without
+        dispatch, transfer or waiting). A call's time minus its slowest rank's share of this is what
+        the group's transport costs it (``benchmarks/step.py``)."""
+        return self._busy_seconds()
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size}, roles={sorted(self._roles)}, methods={self.method_names})"
 
@@ -248,4 +254,7 @@ class WorkerGroup:
         raise NotImplementedError
 
     def _query_mesh(self, role: str, mesh_name: str) -> list[dict]:
+        raise NotImplementedError
+
+    def _busy_seconds(self) -> list[float]:
         raise NotImplementedError

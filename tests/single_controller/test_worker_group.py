@@ -188,6 +188,17 @@ def test_timeout(ray_group):
     assert ray_group.nap.options(timeout=10)(0) == [True, True]
 
 
+def test_busy_seconds_count_each_ranks_time_inside_methods(wg):
+    """What benchmarks/step.py subtracts from a call's time to get the transport's share."""
+    before = wg.busy_seconds()
+    start = time.perf_counter()
+    wg.nap(0.3)
+    elapsed = time.perf_counter() - start
+    spent = [after - b for after, b in zip(wg.busy_seconds(), before)]
+    assert len(spent) == wg.world_size
+    assert all(0.3 <= s <= elapsed for s in spent), (spent, elapsed)
+
+
 def test_same_results_from_ray_and_in_process(ray_group, local_group):
     data = batch(8)
     a, b = ray_group.scale_ids(data), local_group.scale_ids(data)
