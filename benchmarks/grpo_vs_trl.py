@@ -11,20 +11,27 @@ advantages (group mean and std) and take one optimizer step on all completions (
 token-mean loss, constant lr, no weight decay), then the next step uses the updated policy.
 ``--free-length`` lets both stop at eos instead, to compare reward curves from a warm start:
 
-  rlcore  the hybrid engine in one process: ``RolloutWorker`` (vLLM, bf16 sampling) colocated with
-          ``ActorWorker`` (fp32 training), weights synced in memory after each update
+  rlcore  the hybrid engine in one process: ``RolloutWorker`` (``--backends``: vLLM and/or HF
+          ``generate``) colocated with ``ActorWorker`` (fp32 training), weights synced in memory
+          after each update; vLLM samples in ``rollout.dtype`` null's choice: bf16 only where the
+          CPU has it natively (AMX / AVX512-BF16), else fp32 (``rlcore.engines.dtype_choice``)
   TRL     ``GRPOTrainer`` with HF ``generate`` (fp32), beta=0 (no reference model), as on CPU
 
 Each side runs in its own subprocess (vLLM changes process-wide torch settings). The first step is
-warm-up; the report is the median of the others, the ratio TRL / rlcore (above 1: rlcore faster),
-and the mean reward per 5 steps of both (a random-init model scores ~0 on both sides; from a warm
-start with ``--free-length`` the two curves should rise alike).
+warm-up; the report is the median of the others, the ratio TRL / rlcore (above 1: rlcore faster)
+per rlcore backend, rlcore's time per stage (generate, reward, advantage, update, sync), the CPU's
+flags and the dtype they chose, and the mean reward per 5 steps of both (a random-init model scores
+~0 on both sides; from a warm start with ``--free-length`` the two curves should rise alike).
+``--json FILE`` writes all of it; ``--quick`` (tiny sizes, HF backend, TRL only where installed)
+is what the test suite runs. Timing is reported, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -56,7 +63,7 @@ def run_rlcore(args) -> dict:
     # (the builder turns a run config's prompts into rows): here the whole batch, one optimizer step.
     config = {
         "model": {"path": args.model},
-        "rollout": {"backend": "vllm", "dtype": "bfloat16", "n": args.n, "max_new_tokens": args.new_tokens,
+        "rollout": {"backend": args.backend, "dtype": args.rollout_dtype, "n": args.n, "max_new_tokens": args.new_tokens,
                     "ignore_eos": not args.free_length, "kv_cache_memory_bytes": 1 << 30},
         "actor": {"lr": args.lr, "weight_decay": 0.0, "ppo_mini_batch_size": rows,
                   "ppo_micro_batch_size_per_gpu": args.micro_batch},
@@ -75,21 +82,28 @@ def run_rlcore(args) -> dict:
     items = [{"input_ids": torch.tensor(tok(e["prompt"])["input_ids"]), "ground_truth": e["answer"], "uid": str(i)}
              for i, e in enumerate(examples)]
     tensors, non_tensors = collate_prompts(items, tok.pad_token_id)
-    step_times, rewards = [], []
+    step_times, rewards, stages = [], [], {}
+
+    def timed(stage, fn, *a):
+        start = time.perf_counter()
+        out = fn(*a)
+        stages.setdefault(stage, []).append(time.perf_counter() - start)
+        return out
+
     for _ in range(args.steps):
         start = time.perf_counter()
-        batch = rollout.generate_sequences(DataProto.from_dict(tensors, non_tensors))
-        batch.union(reward(batch))  # no compute_log_prob: one optimizer step per batch, as in recipes/grpo.py
-        adv, _ = compute_grpo_outcome_advantage(batch.batch["token_level_scores"], batch.batch["response_mask"],
-                                                batch.non_tensor_batch["uid"])
+        batch = timed("generate", rollout.generate_sequences, DataProto.from_dict(tensors, non_tensors))
+        batch.union(timed("reward", reward, batch))  # no compute_log_prob: one optimizer step per batch, as in recipes/grpo.py
+        adv, _ = timed("advantage", compute_grpo_outcome_advantage, batch.batch["token_level_scores"],
+                       batch.batch["response_mask"], batch.non_tensor_batch["uid"])
         batch.batch["advantages"] = adv
-        actor.update_policy(batch)
-        rollout.sync_weights()
+        timed("update", actor.update_policy, batch)
+        timed("sync", rollout.sync_weights)
         step_times.append(time.perf_counter() - start)
         rewards.append(float(batch.batch["reward_scores"].mean()))
     assert len(batch) == rows
     assert args.free_length or int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
-    return {"step_s": step_times, "reward": rewards, "torch_threads": threads}
+    return {"step_s": step_times, "reward": rewards, "torch_threads": threads, "stages_s": stages}
 
 
 def run_trl(args) -> dict:
@@ -136,8 +150,32 @@ def run_trl(args) -> dict:
     return {"step_s": timer.times, "reward": rewards, "torch_threads": torch.get_num_threads()}
 
 
+def cpu_flags() -> dict:
+    """What decides the dtypes here: torch's view of the CPU, and the vLLM dtype chosen from it."""
+    import torch
+
+    from rlcore.engines.dtype_choice import default_vllm_dtype, native_bf16
+
+    return {"capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16("cpu")[1],
+            "vllm_dtype": default_vllm_dtype("cpu")}
+
+
+def spawn(side: str, args, backend: str | None = None) -> dict:
+    """One side's run in a fresh interpreter (vLLM changes process-wide torch settings)."""
+    skip = ("side", "free_length", "backends", "json", "quick", "backend")
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", side] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
+    cmd += ["--free-length"] if args.free_length else []
+    cmd += [f"--backend={backend}"] if backend else []
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        sys.exit(f"{side} {backend or ''} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--n", type=int, default=8)
@@ -145,41 +183,65 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--backends", default="vllm", help="rlcore's rollout backends to run, comma-separated: vllm,hf")
+    parser.add_argument("--rollout-dtype", default=None,
+                        help="rlcore's sampling dtype (default: rollout.dtype null, i.e. bf16 only where native)")
     parser.add_argument("--model", help="an HF directory (default: a fresh tiny model of --preset)")
     parser.add_argument("--free-length", action="store_true",
                         help="stop at eos instead of forcing --new-tokens tokens (for reward curves)")
+    parser.add_argument("--timeout-s", type=float, default=7200.0, help="limit of one side's subprocess")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, 4 prompts x 2 x 4 tokens, 3 steps, hf backend; TRL only if installed")
+    parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--side", choices=["rlcore", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"], help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.side:
         result = run_rlcore(args) if args.side == "rlcore" else run_trl(args)
         print("RESULT " + json.dumps(result))
         return
+    if args.quick:
+        args.preset, args.prompts, args.n, args.new_tokens, args.steps = "tiny", 4, 2, 4, 3
+        args.micro_batch, args.backends = 8, "hf"
+    backends = args.backends.split(",")
+    if not set(backends) <= {"vllm", "hf"}:
+        parser.error(f"--backends: choose from vllm, hf (got {args.backends})")
 
     from rlcore.models.tiny import build_tiny_model
 
     args.model = args.model or build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
-    results = {}
-    for side in ("rlcore", "trl"):
-        cmd = [sys.executable, __file__, "--side", side] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("side", "free_length")]
-        cmd += ["--free-length"] if args.free_length else []
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode or not lines:
-            sys.exit(f"{side} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        results[side] = json.loads(lines[-1][len("RESULT "):])
-    ours, trl = (statistics.median(results[s]["step_s"][1:]) for s in ("rlcore", "trl"))
+    flags = cpu_flags()
+    results = {f"rlcore-{b}": spawn("rlcore", args, b) for b in backends}
+    have_trl = importlib.util.find_spec("trl") is not None
+    if have_trl:
+        results["trl"] = spawn("trl", args)
+    elif not args.quick:
+        sys.exit('TRL is not installed: pip install -e ".[bench]"')
+    step = {side: statistics.median(r["step_s"][1:]) for side, r in results.items()}
     length = "up to" if args.free_length else "exactly"
     print(f"model {args.model}, {args.prompts} prompts x {args.n} samples x {length} {args.new_tokens} tokens, "
           f"lr {args.lr}, median of steps 2..{args.steps}")
-    print(f"rlcore step {ours:.2f} s | TRL step {trl:.2f} s | TRL / rlcore = {trl / ours:.2f}")
-    for side in ("rlcore", "trl"):
-        r = results[side]
+    print(f"CPU: {flags['capability']}, {flags['native_bf16']}; vLLM samples in {args.rollout_dtype or flags['vllm_dtype']}")
+    ratios = {}
+    for side in results:
+        if side != "trl":
+            ratio = step["trl"] / step[side] if have_trl else float("nan")
+            ratios[side] = ratio
+            print(f"{side} step {step[side]:.2f} s | TRL step {step.get('trl', float('nan')):.2f} s | "
+                  f"TRL / {side} = {ratio:.2f}")
+    for side, r in results.items():
         blocks = [round(statistics.mean(r["reward"][i:i + 5]), 3) for i in range(0, len(r["reward"]), 5)]
-        print(f"  {side:6s} torch threads {r['torch_threads']}, step times {[round(t, 1) for t in r['step_s'][:10]]}"
+        print(f"  {side:12s} torch threads {r['torch_threads']}, step times {[round(t, 2) for t in r['step_s'][:10]]}"
               f"{' ...' if len(r['step_s']) > 10 else ''}")
-        print(f"  {side:6s} mean reward per 5 steps {blocks}")
+        print(f"  {side:12s} mean reward per 5 steps {blocks}")
+        stages = {stage: statistics.median(times[1:]) for stage, times in r.get("stages_s", {}).items()}
+        if stages:
+            print(f"  {side:12s} stages: " + ", ".join(f"{k} {v:.3f} s ({v / step[side]:.0%})" for k, v in stages.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "side"}, "cpu": flags, "step_s": step,
+                       "trl_over_rlcore": ratios, "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

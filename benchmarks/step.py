@@ -1,55 +1,173 @@
-"""One GRPO step on the default setup: time per stage and tokens/s.
+"""One GRPO step on the default setup: where the time goes, per stage and in the fixed part.
 
-    python -m benchmarks.step [--steps 6] [override ...]     e.g. rollout.backend=vllm
+    python -m benchmarks.step [--steps 6] [--json out.json] [override ...]   e.g. rollout.backend=vllm
+    python -m benchmarks.step --quick                                         (the test suite's smoke run)
 
-Runs ``recipes.grpo`` with its defaults (the warm-started tiny model on the arithmetic task, Ray
-hybrid engine; the warm start is built once and cached) for a few steps without validation or
-checkpoints, then reports, over the steps after the first (warm-up), the median seconds of each
-stage (``timing_s/*`` as the recipe logs them), its share of the step, and tokens/s.
+Runs ``recipes.grpo`` with its defaults (the warm-started tiny model on the arithmetic task, hybrid
+engine on Ray; the warm start is built once and cached) for a few steps without validation or
+checkpoints. Over the steps after the first (warm-up) it reports:
+
+1. per stage (``timing_s/*`` as the recipe logs them): median seconds, share of the step, tokens/s;
+2. the fixed part of a step, the time outside the workers' own compute: Ray round trips (the
+   worker-group calls' time minus the seconds the ranks spent inside the methods,
+   ``WorkerGroup.busy_seconds``: dispatch, serialisation, the object store, scheduling), the
+   driver's reward (decode + score), data (batching, collation), advantage, metric reduction,
+   ``end_step`` (metric assembly and logging), and the rest of the driver's Python (the wall time
+   between steps that none of these account for).
+
+Each part is timed by wrapping the functions the recipe calls (``GroupMethod.__call__``,
+``TrainingRun.next_prompts`` / ``end_step``, ``batch_metrics``, ``mean_over_ranks``), not by a
+profiler, so the numbers carry no profiling overhead. ``trainer.backend=local`` runs the same with
+every role in this process. Timing is reported, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
 import tempfile
+import time
+from collections import defaultdict
 
 from hydra import compose, initialize_config_dir
 
 import recipes.grpo
+from rlcore.single_controller.worker_group import GroupMethod
+from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.tracking import read_jsonl_metrics
 
+QUICK = ["data.train_batch_size=8", "rollout.max_new_tokens=8"]
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of recipes/config/grpo.yaml")
-    args = parser.parse_args()
+
+class Stopwatch:
+    """Seconds spent in each wrapped function, per step (outermost calls only)."""
+
+    def __init__(self) -> None:
+        self.per_step: list[dict[str, float]] = []
+        self.current: dict[str, float] = defaultdict(float)
+        self.step_ends: list[float] = []
+        self._depth = 0
+        self._restore: list = []
+
+    def wrap(self, owner, attr: str, category: str) -> None:
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            if self._depth:  # nested inside another timed call: counted there
+                return original(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.current[category] += time.perf_counter() - start
+                self._depth -= 1
+
+        setattr(owner, attr, timed)
+        self._restore.append((owner, attr, original))
+
+    def end_of_step(self) -> None:
+        self.step_ends.append(time.perf_counter())
+        self.per_step.append(dict(self.current))
+        self.current = defaultdict(float)
+
+    def restore(self) -> None:
+        for owner, attr, original in reversed(self._restore):
+            setattr(owner, attr, original)
+
+
+def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float]]:
+    """``steps`` GRPO steps: the logged metric rows after warm-up and the median seconds per step
+    of each wrapped part (plus ``wall``, from one step's end to the next)."""
     out = tempfile.mkdtemp(prefix="rlcore_step_")
-    overrides = [f"trainer.total_steps={args.steps}", "trainer.val_freq=0", "trainer.save_freq=0",
+    overrides = [f"trainer.total_steps={steps}", "trainer.val_freq=0", "trainer.save_freq=0",
                  f"trainer.output_dir={out}", "trainer.loggers=[jsonl]", "trainer.run_name=bench",
-                 "warmstart.dir=outputs/warmstart", *args.overrides]
+                 "trainer.export_hf=false", "warmstart.dir=outputs/warmstart",
+                 *overrides]
     config_dir = str((recipes.grpo.__file__.rsplit("/", 1)[0]) + "/config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         cfg = compose("grpo", overrides=overrides)
-    run = recipes.grpo.train(cfg)
-    rows = [r for r in read_jsonl_metrics(run.dir / "metrics.jsonl") if r["step"] >= 2]
+    watch = Stopwatch()
+    watch.wrap(GroupMethod, "__call__", "worker calls")
+    watch.wrap(TrainingRun, "next_prompts", "data")
+    watch.wrap(recipes.grpo, "batch_metrics", "metrics")
+    watch.wrap(recipes.grpo, "mean_over_ranks", "metrics")
+    end_step = TrainingRun.end_step
+
+    def end_step_and_mark(self, *args, **kwargs):
+        start = time.perf_counter()
+        end_step(self, *args, **kwargs)
+        watch.current["end_step"] += time.perf_counter() - start
+        watch.current["worker compute"] = max(self.workers.group.busy_seconds())  # cumulative: differenced below
+        watch.end_of_step()
+
+    TrainingRun.end_step = end_step_and_mark
+    try:
+        training = recipes.grpo.train(cfg)
+    finally:
+        TrainingRun.end_step = end_step
+        watch.restore()
+    rows = [r for r in read_jsonl_metrics(training.dir / "metrics.jsonl") if r["step"] >= 2]
     if not rows:
         raise SystemExit("need --steps >= 2 (the first step is warm-up)")
+    busy = [s.pop("worker compute") for s in watch.per_step]
+    for s, before, after in zip(watch.per_step[1:], busy, busy[1:]):
+        s["worker compute"] = after - before
+    parts = {key: statistics.median(s.get(key, 0.0) for s in watch.per_step[1:])
+             for key in {k for s in watch.per_step[1:] for k in s}}
+    parts["wall"] = statistics.median(b - a for a, b in zip(watch.step_ends, watch.step_ends[1:]))
+    return rows, parts
 
-    def median(key: str) -> float:
-        return statistics.median(r[key] for r in rows if key in r)
 
-    step_s = median("timing_s/step")
-    print(f"GRPO step, defaults + {args.overrides or 'no overrides'}: median over steps 2..{args.steps}")
+def median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if key in r]
+    return statistics.median(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--quick", action="store_true", help="3 steps of 8 prompts x 8 tokens (the suite's check)")
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of recipes/config/grpo.yaml")
+    args = parser.parse_args()
+    steps, overrides = (3, QUICK + args.overrides) if args.quick else (args.steps, args.overrides)
+    rows, parts = run(overrides, steps)
+
+    step_s, wall = median(rows, "timing_s/step"), parts["wall"]
+    print(f"\nGRPO step, defaults + {overrides or 'no overrides'}: median over steps 2..{steps}")
     print(f"{'stage':<16}{'seconds':>9}{'share':>8}{'tokens/s':>11}")
     stages = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("timing_s/")} - {"step"})
-    for stage in stages:
-        seconds = median(f"timing_s/{stage}")
-        tps = median(f"throughput/{stage}") if any(f"throughput/{stage}" in r for r in rows) else float("nan")
+    table = {}
+    for stage in stages + ["step"]:
+        seconds, tps = median(rows, f"timing_s/{stage}"), median(rows, f"throughput/{stage}")
+        table[stage] = {"seconds": seconds, "share": seconds / step_s, "tokens_per_s": tps}
         print(f"{stage:<16}{seconds:>9.3f}{seconds / step_s:>8.0%}{tps:>11.0f}")
-    print(f"{'step':<16}{step_s:>9.3f}{1:>8.0%}{median('throughput/step'):>11.0f}")
-    print(f"rollout tokens/s (generated): {median('rollout/tokens_per_s'):.0f}")
+
+    compute = parts.get("worker compute", 0.0)
+    fixed = {
+        "Ray round trips (worker calls - worker compute)": parts.get("worker calls", 0.0) - compute,
+        "reward (decode + score, in the driver)": median(rows, "timing_s/reward"),
+        "data (batching, collation)": parts.get("data", 0.0),
+        "advantage": median(rows, "timing_s/adv"),
+        "metric reduction (batch_metrics, mean_over_ranks)": parts.get("metrics", 0.0),
+        "end_step (metric assembly, logging)": parts.get("end_step", 0.0),
+    }
+    accounted = parts.get("worker calls", 0.0) + sum(v for k, v in fixed.items() if not k.startswith("Ray"))
+    fixed["other driver Python (the wall time none of the above covers)"] = max(wall - accounted, 0.0)
+    total = sum(fixed.values())
+    print(f"\nfixed part of a step (wall {wall:.3f} s between step ends; the workers' own compute {compute:.3f} s):")
+    for name, seconds in fixed.items():
+        print(f"  {name:<62}{seconds:>7.3f} s{seconds / wall:>6.0%}")
+    print(f"  {'total fixed':<62}{total:>7.3f} s{total / wall:>6.0%}")
+    print(f"rollout tokens/s (generated): {median(rows, 'rollout/tokens_per_s'):.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
+                       "fixed_total_s": total, "wall_s": wall, "worker_compute_s": compute, "parts_s": parts}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parent.parent
     ("benchmarks.balance", {"plain_s", "balanced_s", "plain_over_balanced"}),
     ("benchmarks.lora_memory", {"full_adam_bytes", "lora_adam_bytes", "full_over_lora_adam"}),
     ("benchmarks.rollout", {"hf_tokens_per_s", "vllm-fp32_tokens_per_s", "hf_sync_over_copy", "vllm-fp32_sync_over_copy"}),
+    ("benchmarks.step", {"stages", "fixed_s", "fixed_total_s", "wall_s", "worker_compute_s"}),
+    ("benchmarks.grpo_vs_trl", {"cpu", "step_s", "trl_over_rlcore", "results"}),
 ])
 def test_quick_mode_runs_and_writes_its_json(module, keys, tmp_path):
     out = tmp_path / "result.json"
