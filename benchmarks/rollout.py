@@ -28,7 +28,9 @@ BACKENDS = {
     "hf": {"backend": "hf"},
     "vllm-fp32": {"backend": "vllm", "dtype": "float32"},
     "vllm-bf16": {"backend": "vllm", "dtype": "bfloat16"},
+    "vllm-fp32-loader": {"backend": "vllm", "dtype": "float32"},  # weight sync through vLLM's loader, for comparison
 }
+ENV = {"vllm-fp32-loader": {"RLCORE_VLLM_SYNC": "loader"}}
 
 
 def make_prompts(tokenizer, count: int, max_len: int, seed: int):
@@ -108,7 +110,7 @@ def spawn(backend: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", backend, "--model-dir", args.model_dir,
            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
            "--sync-repeats", str(args.sync_repeats), "--kv-cache-mb", str(args.kv_cache_mb)]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TRANSFORMERS_VERBOSITY": "error", **ENV.get(backend, {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not results:
@@ -143,13 +145,13 @@ def main() -> None:
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="vLLM KV cache size")
     parser.add_argument("--model-dir", help="reuse this model directory instead of building one")
     parser.add_argument("--timeout-s", type=float, default=3600.0, help="limit of one backend's subprocess")
-    parser.add_argument("--quick", action="store_true", help="the tiny model, 4 prompts x 8 tokens, hf and vllm-fp32")
+    parser.add_argument("--quick", action="store_true", help="the tiny model, 4 prompts x 8 tokens, hf and vllm-fp32 (in place and through the loader)")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--child", choices=list(BACKENDS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.preset, args.prompts, args.new_tokens, args.sync_repeats = "tiny", 4, 8, 2
-        args.backends, args.kv_cache_mb = "hf,vllm-fp32", 64
+        args.backends, args.kv_cache_mb = "hf,vllm-fp32,vllm-fp32-loader", 64
 
     if args.child:
         print("RESULT " + json.dumps(run_one(args)), flush=True)

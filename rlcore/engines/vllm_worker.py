@@ -12,6 +12,7 @@ imports it in its worker at start-up.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 
@@ -42,13 +43,15 @@ def reload_weights(model_runner, named_tensors) -> str:
     ``"loader"``: anything else (MoE, quantized or tensor-parallel layers, names the plan does not
     know, a fused layer only part of which is in this update, other platforms), through
     ``model_runner.reload_weights`` (vLLM's layerwise reload), with the fix an MoE model needs on
-    vLLM's CPU build (see ``repack_cpu_experts``)."""
+    vLLM's CPU build (see ``repack_cpu_experts``). ``RLCORE_VLLM_SYNC=loader`` in the engine's
+    environment always takes the loader (benchmarks/rollout.py compares the two; an escape hatch
+    should a new vLLM lay a layer out differently)."""
     named_tensors = list(named_tensors)
     model = model_runner.get_model()
     plan = model.__dict__.get("_rlcore_in_place_plan")
     if plan is None:
         plan = model.__dict__["_rlcore_in_place_plan"] = InPlacePlan(model)
-    if plan.covers(named_tensors):
+    if os.environ.get("RLCORE_VLLM_SYNC") != "loader" and plan.covers(named_tensors):
         plan.load(named_tensors)
         return "in_place"
     with repack_cpu_experts(model):
