@@ -75,6 +75,7 @@ class VLLMEngine(Engine):
         self.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token_id
         self.weight_names = _hf_parameter_names(model_cfg.path)
         self.call_seeds = CallSeeds(rank)
+        self.last_sync_path, self.last_pack_s = None, None  # set by each load_weights
         self.routing_layers = 0  # MoE layers whose routing each generate records (rollout.record_routing)
         if rollout_cfg.record_routing and getattr(hf_config, "num_experts_per_tok", None):
             self.routing_top_k = int(hf_config.num_experts_per_tok)
