@@ -48,15 +48,21 @@ def reload_weights(model_runner, named_tensors) -> str:
     should a new vLLM lay a layer out differently)."""
     named_tensors = list(named_tensors)
     model = model_runner.get_model()
-    plan = model.__dict__.get("_rlcore_in_place_plan")
-    if plan is None:
-        plan = model.__dict__["_rlcore_in_place_plan"] = InPlacePlan(model)
+    plan = in_place_plan(model)
     if os.environ.get("RLCORE_VLLM_SYNC") != "loader" and plan.covers(named_tensors):
         plan.load(named_tensors)
         return "in_place"
     with repack_cpu_experts(model):
         model_runner.reload_weights(weights_iterator=unfuse_experts(named_tensors))
     return "loader"
+
+
+def in_place_plan(model: torch.nn.Module) -> "InPlacePlan":
+    """The model's ``InPlacePlan``, made on first use and kept on the model (its targets are per name)."""
+    plan = model.__dict__.get("_rlcore_in_place_plan")
+    if plan is None:
+        plan = model.__dict__["_rlcore_in_place_plan"] = InPlacePlan(model)
+    return plan
 
 
 class InPlacePlan:
@@ -97,6 +103,7 @@ class InPlacePlan:
         self.targets: dict[str, tuple | None] = {}
         self.linears: dict[str, tuple] = {}  # module name -> (module, (rows, cols), dtype, number of HF parts)
         self.staging: torch.Tensor | None = None
+        self.last_pack_s: float | None = None
 
     def covers(self, named_tensors: list) -> bool:
         """Whether every tensor has a target and every fused layer touched gets all its parts."""
@@ -163,7 +170,6 @@ class InPlacePlan:
                 to_process += [m for m in target[2] if all(m is not seen for seen in to_process)]
             else:
                 by_linear.setdefault(target[1], []).append((target[2], tensor))
-        start = time.perf_counter()
         pack_s = 0.0
         for module_name, parts in by_linear.items():
             module, (rows, cols), dtype, _ = self.linears[module_name]
@@ -182,7 +188,7 @@ class InPlacePlan:
         for module in to_process:
             module.quant_method.process_weights_after_loading(module)
         pack_s += time.perf_counter() - packing
-        self.last_pack_s, self.last_load_s = pack_s, time.perf_counter() - start  # for benchmarks/rollout.py
+        self.last_pack_s = pack_s  # seconds in vLLM's packing (benchmarks/rollout.py)
 
     def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """One buffer for every layer's checkpoint-layout weight, kept across updates (a fresh one
