@@ -193,6 +193,16 @@ def _clipped_surrogate(log_ratio: Tensor, advantages: Tensor, cfg: PolicyLossCon
     return torch.maximum(unclipped, clipped), clipped > unclipped
 
 
+def zero_without_advantage(fn: PolicyLossFn) -> PolicyLossFn:
+    """Mark a policy loss whose gradient from a row is exactly zero when that row's advantages are
+    all zero (each token's loss is its advantage times something finite): the actor then leaves
+    such rows out of the forward and backward (``actor.skip_zero_advantage_rows``), e.g. the
+    groups of GRPO whose samples all got the same reward. A loss of one's own gets it by applying
+    this decorator; unmarked losses train on every row."""
+    fn.zero_without_advantage = True
+    return fn
+
+
 def _needs_advantages(inp: PolicyLossInput, name: str) -> Tensor:
     if inp.advantages is None:
         raise ValueError(f"the {name!r} policy loss needs advantages")
@@ -200,6 +210,7 @@ def _needs_advantages(inp: PolicyLossInput, name: str) -> Tensor:
 
 
 @register_policy_loss("ppo")
+@zero_without_advantage
 def compute_policy_loss_ppo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
     """Clipped surrogate of PPO (Schulman et al. 2017), ratio = exp(log_prob - old_log_prob).
 
@@ -213,6 +224,7 @@ def compute_policy_loss_ppo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tupl
 
 
 @register_policy_loss("dual_clip")
+@zero_without_advantage
 def compute_policy_loss_dual_clip(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
     """PPO plus the dual clip of Ye et al. 2020: for A < 0 the loss is capped at -A * c.
 
@@ -233,6 +245,7 @@ def compute_policy_loss_dual_clip(inp: PolicyLossInput, cfg: PolicyLossConfig) -
 
 
 @register_policy_loss("reinforce")
+@zero_without_advantage
 def compute_policy_loss_reinforce(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
     """Unclipped policy gradient: loss = -A * exp(log_prob - old_log_prob).
 
@@ -252,6 +265,7 @@ def _sequence_log_ratio(inp: PolicyLossInput) -> Tensor:
 
 
 @register_policy_loss("gspo")
+@zero_without_advantage
 def compute_policy_loss_gspo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025): PPO's clipped surrogate on the sequence ratio
     s_i = exp(mean_t log(pi / pi_old)), broadcast to the row's tokens.
@@ -276,6 +290,7 @@ def compute_policy_loss_gspo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tup
 
 
 @register_policy_loss("gspo_token")
+@zero_without_advantage
 def compute_policy_loss_gspo_token(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
     """GSPO-token (Zheng et al. 2025): token ratio s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)].
 
@@ -292,6 +307,7 @@ def compute_policy_loss_gspo_token(inp: PolicyLossInput, cfg: PolicyLossConfig) 
 
 
 @register_policy_loss("cispo")
+@zero_without_advantage
 def compute_policy_loss_cispo(inp: PolicyLossInput, cfg: PolicyLossConfig) -> tuple[Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient IS weight,
     gradient -sg[clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high)] * A_t * d log pi(y_t).

@@ -170,7 +170,20 @@ class ActorWorker(FSDPTrainWorker):
                     "ppo_mini_batch_size null or the whole batch)") if "old_log_probs" in str(e) else ""
             raise KeyError(f"update_policy: {e.args[0]}{hint}") from None
         dropped = self._mask_mismatched(selected) if cfg.use_rollout_is and cfg.rollout_is_mode == "mask" else {}
-        return {**self.run_updates(selected, self._loss, prefix="actor"), **dropped}
+        rows_with_grad = self._rows_with_grad() if "advantages" in have else None
+        return {**self.run_updates(selected, self._loss, "actor", rows_with_grad), **dropped}
+
+    def _rows_with_grad(self):
+        """With ``skip_zero_advantage_rows``, the mask of rows that can move the policy: those with a
+        non-zero advantage on a valid token. Only where every other row's gradient is exactly zero:
+        a loss marked ``zero_without_advantage``, no KL loss term, no entropy bonus, no MoE router
+        losses (they see every token). None: train on every row."""
+        cfg = self.train_cfg
+        exact = (cfg.skip_zero_advantage_rows and getattr(self.policy_loss_fn, "zero_without_advantage", False)
+                 and not (cfg.use_kl_loss and cfg.kl_loss_coef) and not cfg.entropy_coeff and self.moe is None)
+        if not exact:
+            return None
+        return lambda mini: ((mini.batch["advantages"] != 0) & mini.batch["response_mask"].bool()).any(-1)
 
     def _mask_mismatched(self, data: DataProto) -> dict[str, float]:
         """``rollout_is_mode=mask``: take the tokens (or sequences) whose IS weight is out of bounds

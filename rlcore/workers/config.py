@@ -108,6 +108,7 @@ class ActorConfig(TrainConfig, PolicyLossConfig):
     """The ``actor`` section: the policy's optimisation, its loss and the loss's extra terms."""
 
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
+    skip_zero_advantage_rows: bool = True  # rows whose advantages are all 0 skip forward/backward where their gradient is exactly 0
     use_kl_loss: bool = False  # loss += kl_loss_coef * KL(pi || ref) (needs ref_log_prob: the ref role)
     kl_loss_coef: float = 0.001  # weight of that KL term in the loss
     kl_loss_type: str = "low_var_kl"  # the KL estimator (rlcore.algos.kl.KL_KINDS)

@@ -191,21 +191,28 @@ def clip_and_step(model: nn.Module, optimizer, lr_scheduler, grad_clip: float | 
 
 # ----------------------------------------------------------------------------- micro-batching
 def micro_batch_indices(data: DataProto, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int,
-                        device: torch.device | None = None) -> list[np.ndarray]:
+                        device: torch.device | None = None, agree: bool = True) -> list[np.ndarray]:
     """Row indices of each micro-batch: fixed row counts, or packed to a token budget. Packed, every DP
     rank gets as many micro-batches as the rank that needs most (one all-reduce on ``device``): each
-    forward is a round of FSDP collectives, and a rank running fewer would leave the others waiting."""
+    forward is a round of FSDP collectives, and a rank running fewer would leave the others waiting.
+    ``agree=False``: this rank's own packing; the caller makes the counts agree (``trained_micro_batches``)."""
     if use_dynamic_bsz:
         lengths = data.batch["attention_mask"].sum(-1).tolist()
         count = len(rearrange_micro_batches(lengths, max_token_len))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            most = torch.tensor(count, device=device)
-            dist.all_reduce(most, op=dist.ReduceOp.MAX)
-            count = int(most)
+        if agree:
+            count = max_over_ranks(count, device)
         return [np.asarray(ix) for ix in rearrange_micro_batches(lengths, max_token_len, count)]
     if micro_batch_size <= 0:
         raise ValueError(f"micro-batch size must be positive, got {micro_batch_size}")
     return [np.arange(s, min(s + micro_batch_size, len(data))) for s in range(0, len(data), micro_batch_size)]
+
+
+def max_over_ranks(count: int, device: torch.device | None) -> int:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        most = torch.tensor(count, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        count = int(most)
+    return count
 
 
 @torch.no_grad()
@@ -349,7 +356,30 @@ class FSDPTrainWorker(Worker):
         return micro_batch_indices(data, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
                                    cfg.ppo_max_token_len_per_gpu, self.device)
 
-    def run_updates(self, data: DataProto, loss_fn: Callable[..., tuple[torch.Tensor, dict]], prefix: str) -> dict[str, float]:
+    def trained_micro_batches(self, mini: DataProto, rows_with_grad: Callable[[DataProto], torch.Tensor] | None
+                              ) -> list[tuple[np.ndarray, bool]]:
+        """The micro-batches of ``mini`` to run, each with whether it counts (False: a stand-in, below).
+
+        ``rows_with_grad(mini)``: a (B,) bool mask of the rows whose loss can have a gradient; the
+        others are left out of every forward and backward. The loss's counts come from the whole
+        mini-batch (``LossScale``), so leaving out rows whose gradient is exactly zero changes
+        nothing but the compute. Every rank must still run as many forward/backward passes as the
+        others (each is a round of FSDP collectives), and at least one, so that every parameter
+        gets a gradient, zero or not (a missing one would skip AdamW's moment decay and weight
+        decay, which a zero one does not): a rank short of passes runs stand-ins, one row whose
+        loss is multiplied by 0.
+        """
+        if rows_with_grad is None:
+            return [(ix, True) for ix in self.micro_batches(mini)]
+        keep = np.flatnonzero(rows_with_grad(mini).cpu().numpy())
+        cfg = self.train_cfg
+        parts = [keep[ix] for ix in micro_batch_indices(mini[keep], cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
+                                                        cfg.ppo_max_token_len_per_gpu, agree=False)] if len(keep) else []
+        count = max(max_over_ranks(len(parts), self.device), 1)
+        return [(ix, True) for ix in parts] + [(np.arange(1), False)] * (count - len(parts))
+
+    def run_updates(self, data: DataProto, loss_fn: Callable[..., tuple[torch.Tensor, dict]], prefix: str,
+                    rows_with_grad: Callable[[DataProto], torch.Tensor] | None = None) -> dict[str, float]:
         """``ppo_epochs`` passes over this rank's rows in mini-batches, one optimizer step each.
 
         ``loss_fn(micro, scale)`` (``scale`` a ``LossScale``) returns this micro-batch's
@@ -357,7 +387,9 @@ class FSDPTrainWorker(Worker):
         sum over micro-batches, with FSDP averaging over ranks, gives the gradient of the global
         mean whatever the split. The reported ``loss`` is that global value. Each micro-batch is
         cropped to its rows' own width (``load_micro_batch``); ``scale`` keeps the mini-batch's
-        counts and response width, so the loss does not depend on the crop.
+        counts and response width, so the loss does not depend on the crop. ``rows_with_grad``:
+        rows outside it are not run at all (``trained_micro_batches``); the per-micro-batch
+        metrics then describe the rows trained, and ``{prefix}/trained_rows_frac`` says how many.
         """
         if self.optimizer is None:
             raise RuntimeError(f"{type(self).__name__} has no optimizer (role {getattr(self, 'role', '?')!r}, "
@@ -376,12 +408,19 @@ class FSDPTrainWorker(Worker):
             width = mini.batch["responses"].shape[1] if "responses" in mini.batch.keys() else None
             scale = LossScale(global_tokens=tokens, global_seqs=seqs, dp_size=ws, norm_len=width)
             total = torch.zeros((), device=self.device)
-            for ix in self.micro_batches(mini):
+            trained = 0
+            for ix, counts in self.trained_micro_batches(mini, rows_with_grad):
                 loss, micro_metrics = loss_fn(load_micro_batch(mini, ix, self.device)[0], scale)
+                if not counts:
+                    loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
                 loss.backward()
-                total += loss.detach()
-                for k, v in micro_metrics.items():
-                    metrics[k].append(v)
+                if counts:
+                    total += loss.detach()
+                    trained += len(ix)
+                    for k, v in micro_metrics.items():
+                        metrics[k].append(v)
+            if rows_with_grad is not None:
+                metrics["trained_rows_frac"].append(trained / len(mini))
             grad_norm, lr = clip_and_step(self.module, self.optimizer, self.lr_scheduler, cfg.grad_clip)
             metrics["loss"].append(all_reduce_mean(total))
             metrics["grad_norm"].append(grad_norm)
