@@ -66,7 +66,8 @@ def run_rlcore(args) -> dict:
         "rollout": {"backend": args.backend, "dtype": args.rollout_dtype, "n": args.n, "max_new_tokens": args.new_tokens,
                     "ignore_eos": not args.free_length, "kv_cache_memory_bytes": 1 << 30},
         "actor": {"lr": args.lr, "weight_decay": 0.0, "ppo_mini_batch_size": rows,
-                  "ppo_micro_batch_size_per_gpu": args.micro_batch},
+                  "ppo_micro_batch_size_per_gpu": args.micro_batch,
+                  "skip_zero_advantage_rows": args.skip_zero_advantage_rows},
     }
     group = LocalWorkerGroup(create_colocated_worker_cls({
         "actor": ClassWithInitArgs(ActorWorker, config), "rollout": ClassWithInitArgs(RolloutWorker, config)}))
@@ -82,7 +83,7 @@ def run_rlcore(args) -> dict:
     items = [{"input_ids": torch.tensor(tok(e["prompt"])["input_ids"]), "ground_truth": e["answer"], "uid": str(i)}
              for i, e in enumerate(examples)]
     tensors, non_tensors = collate_prompts(items, tok.pad_token_id)
-    step_times, rewards, stages = [], [], {}
+    step_times, rewards, stages, trained = [], [], {}, []
 
     def timed(stage, fn, *a):
         start = time.perf_counter()
@@ -97,13 +98,15 @@ def run_rlcore(args) -> dict:
         adv, _ = timed("advantage", compute_grpo_outcome_advantage, batch.batch["token_level_scores"],
                        batch.batch["response_mask"], batch.non_tensor_batch["uid"])
         batch.batch["advantages"] = adv
-        timed("update", actor.update_policy, batch)
+        metrics = timed("update", actor.update_policy, batch)[0]
+        trained.append(metrics.get("actor/trained_rows_frac", 1.0))
         timed("sync", rollout.sync_weights)
         step_times.append(time.perf_counter() - start)
         rewards.append(float(batch.batch["reward_scores"].mean()))
     assert len(batch) == rows
     assert args.free_length or int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
-    return {"step_s": step_times, "reward": rewards, "torch_threads": threads, "stages_s": stages}
+    return {"step_s": step_times, "reward": rewards, "torch_threads": threads, "stages_s": stages,
+            "trained_rows_frac": trained}
 
 
 def run_trl(args) -> dict:
@@ -162,10 +165,11 @@ def cpu_flags() -> dict:
 
 def spawn(side: str, args, backend: str | None = None) -> dict:
     """One side's run in a fresh interpreter (vLLM changes process-wide torch settings)."""
-    skip = ("side", "free_length", "backends", "json", "quick", "backend")
+    skip = ("side", "free_length", "skip_zero_advantage_rows", "backends", "json", "quick", "backend")
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
     cmd += ["--free-length"] if args.free_length else []
+    cmd += ["--skip-zero-advantage-rows"] if args.skip_zero_advantage_rows else []
     cmd += [f"--backend={backend}"] if backend else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -187,6 +191,10 @@ def main() -> None:
     parser.add_argument("--rollout-dtype", default=None,
                         help="rlcore's sampling dtype (default: rollout.dtype null, i.e. bf16 only where native)")
     parser.add_argument("--model", help="an HF directory (default: a fresh tiny model of --preset)")
+    parser.add_argument("--skip-zero-advantage-rows", action="store_true",
+                        help="rlcore leaves rows with all-zero advantages out of the update (its default in the recipes); "
+                             "off here so that both sides train on every row: a random-init model scores 0 on every "
+                             "sample, and skipping would leave rlcore nothing to train")
     parser.add_argument("--free-length", action="store_true",
                         help="stop at eos instead of forcing --new-tokens tokens (for reward curves)")
     parser.add_argument("--timeout-s", type=float, default=7200.0, help="limit of one side's subprocess")
@@ -238,6 +246,8 @@ def main() -> None:
         stages = {stage: statistics.median(times[1:]) for stage, times in r.get("stages_s", {}).items()}
         if stages:
             print(f"  {side:12s} stages: " + ", ".join(f"{k} {v:.3f} s ({v / step[side]:.0%})" for k, v in stages.items()))
+        if "trained_rows_frac" in r:
+            print(f"  {side:12s} rows trained per step {[round(f, 2) for f in r['trained_rows_frac'][:10]]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "side"}, "cpu": flags, "step_s": step,

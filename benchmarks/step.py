@@ -10,12 +10,14 @@ checkpoints. Over the steps after the first (warm-up) it reports:
 1. per stage (``timing_s/*`` as the recipe logs them): median seconds, share of the step, tokens/s;
 2. the fixed part of a step, the time outside the workers' own compute: Ray round trips (the
    worker-group calls' time minus the seconds the ranks spent inside the methods,
-   ``WorkerGroup.busy_seconds``: dispatch, serialisation, the object store, scheduling), the
+   ``WorkerGroup.busy_seconds``: dispatch, serialisation, the object store, scheduling; the
+   recipe starts the reference forward before the driver's reward, and compute hidden behind the
+   driver that way comes off this figure, so it is a lower bound), the
    driver's reward (decode + score), data (batching, collation), advantage, metric reduction,
    ``end_step`` (metric assembly and logging), and the rest of the driver's Python (the wall time
    between steps that none of these account for).
 
-Each part is timed by wrapping the functions the recipe calls (``GroupMethod.__call__``,
+Each part is timed by wrapping the functions the recipe calls (``GroupMethod.__call__``, ``GroupFuture.get``,
 ``TrainingRun.next_prompts`` / ``end_step``, ``batch_metrics``, ``mean_over_ranks``), not by a
 profiler, so the numbers carry no profiling overhead. ``trainer.backend=local`` runs the same with
 every role in this process. Timing is reported, never asserted.
@@ -34,7 +36,7 @@ from collections import defaultdict
 from hydra import compose, initialize_config_dir
 
 import recipes.grpo
-from rlcore.single_controller.worker_group import GroupMethod
+from rlcore.single_controller.worker_group import GroupFuture, GroupMethod
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.tracking import read_jsonl_metrics
 
@@ -92,6 +94,7 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float]]
         cfg = compose("grpo", overrides=overrides)
     watch = Stopwatch()
     watch.wrap(GroupMethod, "__call__", "worker calls")
+    watch.wrap(GroupFuture, "get", "worker calls")  # a non-blocking call's wait (the recipe's ref / old log-probs)
     watch.wrap(TrainingRun, "next_prompts", "data")
     watch.wrap(recipes.grpo, "batch_metrics", "metrics")
     watch.wrap(recipes.grpo, "mean_over_ranks", "metrics")

@@ -10,7 +10,8 @@ Per step, for a batch of prompts:
     score each response with the rule reward (on its last token)           reward
       (with reward.model.path: a learned reward model's score, or the sum: rlcore.trainer.learned_reward)
     log-probs of the responses under the current policy, and the ref       old / ref log-probs
-      (old ones only when the update takes several optimizer steps: see needs_old_log_prob)
+      (old ones only when the update takes several optimizer steps: see needs_old_log_prob;
+      both started before the reward, so that the workers run them while the driver scores)
     advantage = (score - mean of its prompt's group) / std of that group   advantages
     clipped policy-gradient step with a KL(pi || ref) loss term            update
     the rollout engine loads the new weights                               sync
@@ -63,6 +64,9 @@ def train(cfg: DictConfig) -> TrainingRun:
             prompts = run.next_prompts()
             with run.timer("gen"):
                 batch = workers.rollout.generate_sequences(prompts)
+            # The log-probs read only the tokens: started now, the workers compute them while the driver scores.
+            old = workers.actor.compute_log_prob.options(blocking=False)(batch) if use_old else None
+            ref = workers.ref.compute_ref_log_prob.options(blocking=False)(batch) if use_ref else None
             with run.timer("reward"):
                 batch.union(reward_fn(batch))
             if cfg.algorithm.adv_estimator == "remax":  # baseline: the reward of each prompt's greedy response
@@ -70,12 +74,12 @@ def train(cfg: DictConfig) -> TrainingRun:
                     greedy = workers.rollout.generate_sequences(greedy_prompts(prompts))
                     greedy.union(reward_fn(greedy))
                 batch.batch["reward_baselines"] = greedy_baselines(batch, greedy)  # greedy rows: not trained on
-            if use_old:
-                with run.timer("old_log_prob"):
-                    batch.union(workers.actor.compute_log_prob(batch))
-            if use_ref:
+            if old is not None:
+                with run.timer("old_log_prob"):  # what is left of it once the reward is in
+                    batch.union(old.get())
+            if ref is not None:
                 with run.timer("ref"):
-                    batch.union(workers.ref.compute_ref_log_prob(batch))
+                    batch.union(ref.get())
             with run.timer("adv"):
                 metrics = compute_rewards(batch, cfg.algorithm, kl_ctrl)
                 compute_advantage(batch, cfg.algorithm)

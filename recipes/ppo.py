@@ -53,15 +53,19 @@ def train(cfg: DictConfig) -> TrainingRun:
             prompts = run.next_prompts()
             with run.timer("gen"):
                 batch = workers.rollout.generate_sequences(prompts)
+            # Log-probs and values read only the tokens: started now, the workers compute them while the driver scores.
+            old = workers.actor.compute_log_prob.options(blocking=False)(batch)
+            ref = workers.ref.compute_ref_log_prob.options(blocking=False)(batch) if use_ref else None
+            values = workers.critic.compute_values.options(blocking=False)(batch)
             with run.timer("reward"):
                 batch.union(reward_fn(batch))
-            with run.timer("old_log_prob"):
-                batch.union(workers.actor.compute_log_prob(batch))
-            if use_ref:
+            with run.timer("old_log_prob"):  # each timer: what is left of it once the reward is in
+                batch.union(old.get())
+            if ref is not None:
                 with run.timer("ref"):
-                    batch.union(workers.ref.compute_ref_log_prob(batch))
+                    batch.union(ref.get())
             with run.timer("values"):
-                batch.union(workers.critic.compute_values(batch))
+                batch.union(values.get())
             with run.timer("adv"):
                 metrics = compute_rewards(batch, cfg.algorithm, kl_ctrl)
                 compute_advantage(batch, cfg.algorithm)
