@@ -25,12 +25,12 @@ class ModelConfig:
     path: str | None = None  # a local HF directory; null in the recipes: their built-in warm start
     dtype: str = "float32"  # parameter dtype of the trained roles (and of the HF rollout, unless rollout.dtype)
     gradient_checkpointing: bool = False  # recompute activations in backward (training roles)
-    mixed_precision: str | None = None  # "bfloat16": FSDP2 computes in bf16, parameters and reduction stay float32
+    mixed_precision: str | None = None  # "bfloat16": FSDP2 computes in bf16, parameters and reduction stay float32; "auto": bf16 where measured faster
 
     def __post_init__(self) -> None:
         torch_dtype(self.dtype, "model.dtype")
-        if self.mixed_precision not in (None, "bfloat16"):
-            raise ValueError(f"model.mixed_precision must be null or 'bfloat16', got {self.mixed_precision!r} "
+        if self.mixed_precision not in (None, "bfloat16", "auto"):
+            raise ValueError(f"model.mixed_precision must be null, 'bfloat16' or 'auto', got {self.mixed_precision!r} "
                              "(float16 would need loss scaling)")
         if self.mixed_precision and torch_dtype(self.dtype) != torch.float32:
             raise ValueError(f"model.mixed_precision={self.mixed_precision} computes in bf16 over float32 parameters; "

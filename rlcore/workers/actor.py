@@ -88,7 +88,7 @@ class ActorWorker(FSDPTrainWorker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
             model = wrap_lora(model, self.train_cfg.lora)  # before sharding: FSDP2 shards the adapters too
-        self.module = apply_fsdp2(model, self.device, mixed_precision_policy(model_cfg))
+        self.module = apply_fsdp2(model, self.device, mixed_precision_policy(model_cfg, model, self.device))
         if self.role == "actor":
             self.optimizer = build_optimizer(trainable_parameters(self.module), self.train_cfg)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)

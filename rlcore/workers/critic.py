@@ -60,7 +60,7 @@ class CriticWorker(FSDPTrainWorker):
         if model_cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=dtype)
-        self.module = apply_fsdp2(ScalarHeadModel(backbone, head), self.device, mixed_precision_policy(model_cfg))
+        self.module = apply_fsdp2(ScalarHeadModel(backbone, head), self.device, mixed_precision_policy(model_cfg, backbone, self.device))
         self.optimizer = build_optimizer(self.module.parameters(), self.train_cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)
 

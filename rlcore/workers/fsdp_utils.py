@@ -46,6 +46,7 @@ from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
+from rlcore.workers.precision import resolve_mixed_precision
 from rlcore.workers.moe import router_mp_policy
 
 
@@ -80,9 +81,10 @@ class ScalarHeadModel(nn.Module):
         return self.head(hidden).squeeze(-1).clone()  # FSDP2 warns about view outputs
 
 
-def mixed_precision_policy(model_cfg: ModelConfig) -> MixedPrecisionPolicy:
-    """FSDP2's policy for ``model.mixed_precision`` (checked by ModelConfig): compute in it, keep and reduce in float32."""
-    if model_cfg.mixed_precision is None:
+def mixed_precision_policy(model_cfg: ModelConfig, model: nn.Module, device: torch.device) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``model.mixed_precision`` (checked by ModelConfig; ``auto`` resolved by
+    measuring ``model`` on ``device``: ``rlcore.workers.precision``): compute in it, keep and reduce in float32."""
+    if resolve_mixed_precision(model_cfg, model, device) is None:
         return MixedPrecisionPolicy()  # compute in the parameters' own dtype
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 

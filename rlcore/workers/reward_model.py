@@ -115,7 +115,7 @@ class RewardModelWorker(FSDPTrainWorker):
         module = ScalarHeadModel(body, model.score)
         if not self.trainable:
             module.requires_grad_(False)
-        policy = mixed_precision_policy(model_cfg) if self.trainable else None
+        policy = mixed_precision_policy(model_cfg, model, self.device) if self.trainable else None
         self.module = apply_fsdp2(module, self.device, policy)
         if self.trainable:
             self.optimizer = build_optimizer(self.module.parameters(), self.train_cfg)

@@ -1,0 +1,87 @@
+"""``model.mixed_precision: auto``: bf16 only where the device has it natively and it measures faster
+on this model; the probe leaves the model as it was; the actor then really computes in the choice."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlcore.models.config import ModelConfig
+from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, RayResourcePool, RayWorkerGroup
+from rlcore.workers import precision
+from rlcore.workers.actor import ActorWorker
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_decisions(monkeypatch):
+    monkeypatch.setattr(precision, "_decided", {})
+
+
+def test_no_native_bf16_means_float32_without_measuring(monkeypatch):
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (False, "AVX2 only"))
+    monkeypatch.setattr(precision, "bf16_speedup", lambda *a: pytest.fail("measured on a CPU without native bf16"))
+    assert precision.choose_mixed_precision(None, CPU) == (None, "AVX2 only")
+
+
+@pytest.mark.parametrize("speedup, choice", [(2.2, "bfloat16"), (1.3, None), (0.7, None)])
+def test_native_bf16_is_chosen_only_where_it_measures_faster(monkeypatch, speedup, choice):
+    monkeypatch.setattr(precision, "native_bf16", lambda device: (True, "AMX tiles"))
+    monkeypatch.setattr(precision, "bf16_speedup", lambda model, device: speedup)
+    got, why = precision.choose_mixed_precision(None, CPU)
+    assert got == choice and f"{speedup:.2f}x" in why and "AMX tiles" in why
+
+
+def test_the_probe_leaves_the_model_as_it_was(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    model.eval()
+    model.lm_head.requires_grad_(False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    speedup = precision.bf16_speedup(model, CPU, repeats=1)
+    assert 0 < speedup < float("inf")
+    assert not model.training and not model.lm_head.weight.requires_grad
+    assert all(p.grad is None for p in model.parameters())
+    assert all(p.requires_grad for n, p in model.named_parameters() if not n.startswith("lm_head"))
+    for name, value in model.state_dict().items():
+        assert value.dtype == torch.float32 and torch.equal(value, before[name]), name
+
+
+def log_probs(path, mixed_precision, data):
+    config = {"model": {"path": path, "mixed_precision": mixed_precision}, "actor": {"ppo_micro_batch_size_per_gpu": 4}}
+    wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, config), world_size=1)
+    wg.init_model()
+    return wg.compute_log_prob(data).batch["old_log_probs"] * data.batch["response_mask"]
+
+
+@pytest.mark.parametrize("chosen", ["bfloat16", None])
+def test_auto_trains_in_the_measured_choice(monkeypatch, tiny_model_dir, make_batch, chosen):
+    """The same numbers as setting the choice by hand: bf16 ones where bf16 was chosen, fp32 ones else."""
+    calls = []
+    monkeypatch.setattr(precision, "choose_mixed_precision", lambda model, device: calls.append(1) or (chosen, "test"))
+    auto = log_probs(tiny_model_dir, "auto", make_batch())
+    log_probs(tiny_model_dir, "auto", make_batch())  # a second worker of the same model in this process: no new probe
+    assert len(calls) == 1
+    by_hand, other = log_probs(tiny_model_dir, chosen, make_batch()), log_probs(tiny_model_dir, "bfloat16" if chosen is None else None, make_batch())
+    torch.testing.assert_close(auto, by_hand, rtol=0, atol=0)
+    assert (auto - other).abs().max() > 1e-4  # the two precisions really differ
+
+
+def test_unknown_mixed_precision_names_the_choices():
+    with pytest.raises(ValueError, match="null, 'bfloat16' or 'auto'"):
+        ModelConfig(path="x", mixed_precision="float16")
+
+
+def test_two_ranks_take_rank_zeros_choice(ray_cluster, tiny_model_dir, make_batch):
+    """Rank 0 measures and broadcasts (FSDP ranks must agree on the parameter dtype): the sharded
+    log-probs are those of one precision, computed in-process."""
+    config = {"model": {"path": tiny_model_dir, "mixed_precision": "auto"}, "actor": {"ppo_micro_batch_size_per_gpu": 4}}
+    pool = RayResourcePool([2], num_cpus_per_process=0.5, name_prefix="precision")
+    group = RayWorkerGroup(pool, ClassWithInitArgs(ActorWorker, config), default_timeout=120)
+    try:
+        group.init_model()
+        sharded = group.compute_log_prob(make_batch()).batch["old_log_probs"] * make_batch().batch["response_mask"]
+    finally:
+        group.shutdown()
+        pool.shutdown()
+    gaps = [(sharded - log_probs(tiny_model_dir, choice, make_batch())).abs().max().item() for choice in (None, "bfloat16")]
+    assert min(gaps) < 1e-6 < max(gaps)
