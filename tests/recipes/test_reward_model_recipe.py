@@ -77,14 +77,16 @@ def test_reward_model_recipe_trains_checkpoints_and_exports(tmp_path, tiny_model
     model = AutoModelForSequenceClassification.from_pretrained(run.dir / "hf")
     tok = AutoTokenizer.from_pretrained(run.dir / "hf")
     assert model.config.num_labels == 1
-    right = 0
+    right = ties = 0
     for p in pairs:
         ids = [tok(p["prompt"] + p[side])["input_ids"] + [tok.eos_token_id] for side in ("chosen", "rejected")]
         scores = [hand_scores(model, torch.tensor([x]), torch.ones(1, len(x), dtype=torch.long),
                               torch.arange(len(x))[None]).item() for x in ids]
         right += scores[0] > scores[1]
+        ties += abs(scores[0] - scores[1]) < 1e-5  # (near-)equal scores: batched and one-by-one float sums may order them either way
     accuracy = right / len(pairs)
-    assert accuracy == pytest.approx(rows[40]["val/pair_accuracy"], abs=1e-6)  # what the run logged
+    # what the run logged, up to the pairs whose two scores tie within float noise (seen: 2 of 96 within 5e-7)
+    assert abs(accuracy - rows[40]["val/pair_accuracy"]) <= ties / len(pairs) + 1e-6
     assert accuracy > 0.6, accuracy  # chance is 0.5; 0.6 on 96 pairs is 2 standard deviations above it
     scorer = LocalWorkerGroup(ClassWithInitArgs(RewardModelWorker, {"reward": {"model": {"path": str(run.dir / "hf")}}}))
     scorer.init_model()  # the RL recipes' scorer loads it (it refuses a directory without a trained head)
