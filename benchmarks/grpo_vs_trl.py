@@ -12,10 +12,14 @@ token-mean loss, constant lr, no weight decay), then the next step uses the upda
 ``--free-length`` lets both stop at eos instead, to compare reward curves from a warm start:
 
   rlcore  the hybrid engine in one process: ``RolloutWorker`` (``--backends``: vLLM and/or HF
-          ``generate``) colocated with ``ActorWorker`` (fp32 training), weights synced in memory
-          after each update; vLLM samples in ``rollout.dtype`` null's choice: bf16 only where the
-          CPU has it natively (AMX / AVX512-BF16), else fp32 (``rlcore.engines.dtype_choice``)
-  TRL     ``GRPOTrainer`` with HF ``generate`` (fp32), beta=0 (no reference model), as on CPU
+          ``generate``) colocated with ``ActorWorker``, weights synced in memory after each
+          update; vLLM samples in ``rollout.dtype`` null's choice: bf16 only where the CPU has it
+          natively (AMX / AVX512-BF16), else fp32 (``rlcore.engines.dtype_choice``); the actor
+          trains in ``--train-dtype`` (default ``model.mixed_precision=auto``: bf16 only where
+          native and measured faster on this model, ``rlcore.workers.precision``, else fp32);
+          every row is trained, as TRL does (``--skip-zero-advantage-rows``: rlcore's default)
+  TRL     ``GRPOTrainer`` with HF ``generate``, fp32 (``--trl-bf16``: bf16=True), beta=0 (no
+          reference model), as on CPU
 
 Each side runs in its own subprocess (vLLM changes process-wide torch settings). The first step is
 warm-up; the report is the median of the others, the ratio TRL / rlcore (above 1: rlcore faster)
@@ -55,6 +59,7 @@ def run_rlcore(args) -> dict:
     from rlcore.rewards.manager import RuleRewardManager
     from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls
     from rlcore.workers.actor import ActorWorker
+    from rlcore.workers.precision import resolve_mixed_precision
     from rlcore.workers.rollout import RolloutWorker
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -62,7 +67,7 @@ def run_rlcore(args) -> dict:
     # Workers built directly, not by rlcore.trainer.builder, get ppo_mini_batch_size as global rows
     # (the builder turns a run config's prompts into rows): here the whole batch, one optimizer step.
     config = {
-        "model": {"path": args.model},
+        "model": {"path": args.model, "mixed_precision": None if args.train_dtype == "fp32" else args.train_dtype},
         "rollout": {"backend": args.backend, "dtype": args.rollout_dtype, "n": args.n, "max_new_tokens": args.new_tokens,
                     "ignore_eos": not args.free_length, "kv_cache_memory_bytes": 1 << 30},
         "actor": {"lr": args.lr, "weight_decay": 0.0, "ppo_mini_batch_size": rows,
@@ -78,6 +83,7 @@ def run_rlcore(args) -> dict:
     # The colocated actor trains with the threads this process has once vLLM is up (reported as
     # torch_threads; measured 2 on the 2-core CPU machine: vLLM's CPU worker leaves them as they are).
     threads = torch.get_num_threads()
+    train_dtype = resolve_mixed_precision(group.worker(0, "actor").model_cfg, None, torch.device("cpu")) or "float32"
     reward = RuleRewardManager(tok, "arithmetic", num_workers=0)
     examples = make_prompts(args.prompts)
     items = [{"input_ids": torch.tensor(tok(e["prompt"])["input_ids"]), "ground_truth": e["answer"], "uid": str(i)}
@@ -106,7 +112,7 @@ def run_rlcore(args) -> dict:
     assert len(batch) == rows
     assert args.free_length or int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
     return {"step_s": step_times, "reward": rewards, "torch_threads": threads, "stages_s": stages,
-            "trained_rows_frac": trained}
+            "trained_rows_frac": trained, "train_dtype": train_dtype}
 
 
 def run_trl(args) -> dict:
@@ -139,7 +145,7 @@ def run_trl(args) -> dict:
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=rows, num_generations=args.n,
         max_completion_length=args.new_tokens,
         generation_kwargs={} if args.free_length else {"min_new_tokens": args.new_tokens},
-        learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0, use_cpu=True, bf16=False, max_steps=args.steps, logging_steps=1,
+        learning_rate=args.lr, lr_scheduler_type="constant", beta=0.0, use_cpu=True, bf16=args.trl_bf16, max_steps=args.steps, logging_steps=1,
         save_strategy="no", report_to="none", shuffle_dataset=False, seed=0,
     )
     timer = StepTimer()
@@ -165,11 +171,12 @@ def cpu_flags() -> dict:
 
 def spawn(side: str, args, backend: str | None = None) -> dict:
     """One side's run in a fresh interpreter (vLLM changes process-wide torch settings)."""
-    skip = ("side", "free_length", "skip_zero_advantage_rows", "backends", "json", "quick", "backend")
+    skip = ("side", "free_length", "skip_zero_advantage_rows", "trl_bf16", "backends", "json", "quick", "backend")
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
     cmd += ["--free-length"] if args.free_length else []
     cmd += ["--skip-zero-advantage-rows"] if args.skip_zero_advantage_rows else []
+    cmd += ["--trl-bf16"] if args.trl_bf16 else []
     cmd += [f"--backend={backend}"] if backend else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -190,6 +197,10 @@ def main() -> None:
     parser.add_argument("--backends", default="vllm", help="rlcore's rollout backends to run, comma-separated: vllm,hf")
     parser.add_argument("--rollout-dtype", default=None,
                         help="rlcore's sampling dtype (default: rollout.dtype null, i.e. bf16 only where native)")
+    parser.add_argument("--train-dtype", default="auto", choices=["auto", "bfloat16", "fp32"],
+                        help="rlcore's training precision, model.mixed_precision (auto: bf16 where native and measured "
+                             "faster on this model, rlcore.workers.precision)")
+    parser.add_argument("--trl-bf16", action="store_true", help="TRL trains with bf16=True (autocast) instead of fp32")
     parser.add_argument("--model", help="an HF directory (default: a fresh tiny model of --preset)")
     parser.add_argument("--skip-zero-advantage-rows", action="store_true",
                         help="rlcore leaves rows with all-zero advantages out of the update (its default in the recipes); "
@@ -240,7 +251,8 @@ def main() -> None:
                   f"TRL / {side} = {ratio:.2f}")
     for side, r in results.items():
         blocks = [round(statistics.mean(r["reward"][i:i + 5]), 3) for i in range(0, len(r["reward"]), 5)]
-        print(f"  {side:12s} torch threads {r['torch_threads']}, step times {[round(t, 2) for t in r['step_s'][:10]]}"
+        print(f"  {side:12s} trains in {r.get('train_dtype', 'bfloat16 (autocast)' if args.trl_bf16 else 'float32')}, "
+              f"torch threads {r['torch_threads']}, step times {[round(t, 2) for t in r['step_s'][:10]]}"
               f"{' ...' if len(r['step_s']) > 10 else ''}")
         print(f"  {side:12s} mean reward per 5 steps {blocks}")
         stages = {stage: statistics.median(times[1:]) for stage, times in r.get("stages_s", {}).items()}

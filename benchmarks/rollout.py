@@ -29,8 +29,9 @@ BACKENDS = {
     "vllm-fp32": {"backend": "vllm", "dtype": "float32"},
     "vllm-bf16": {"backend": "vllm", "dtype": "bfloat16"},
     "vllm-fp32-loader": {"backend": "vllm", "dtype": "float32"},  # weight sync through vLLM's loader, for comparison
+    "vllm-bf16-loader": {"backend": "vllm", "dtype": "bfloat16"},
 }
-ENV = {"vllm-fp32-loader": {"RLCORE_VLLM_SYNC": "loader"}}
+ENV = {"vllm-fp32-loader": {"RLCORE_VLLM_SYNC": "loader"}, "vllm-bf16-loader": {"RLCORE_VLLM_SYNC": "loader"}}
 
 
 def make_prompts(tokenizer, count: int, max_len: int, seed: int):
