@@ -167,10 +167,12 @@ def main() -> None:
         print(f"  {name:<62}{seconds:>7.3f} s{seconds / wall:>6.0%}")
     print(f"  {'total fixed':<62}{total:>7.3f} s{total / wall:>6.0%}")
     print(f"rollout tokens/s (generated): {median(rows, 'rollout/tokens_per_s'):.0f}")
+    trained = median(rows, "actor/trained_rows_frac")  # with skip_zero_advantage_rows where it applies (no KL loss)
+    print(f"rows the actor trained on: {'all' if trained != trained else f'{trained:.0%} (the rest had zero advantage)'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
-                       "fixed_total_s": total, "wall_s": wall, "worker_compute_s": compute, "parts_s": parts}, f, indent=2)
+                       "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained, "worker_compute_s": compute, "parts_s": parts}, f, indent=2)
 
 
 if __name__ == "__main__":
