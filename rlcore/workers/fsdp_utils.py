@@ -46,8 +46,8 @@ from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
-from rlcore.workers.precision import resolve_mixed_precision
 from rlcore.workers.moe import router_mp_policy
+from rlcore.workers.precision import resolve_mixed_precision
 
 
 def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:

@@ -49,8 +49,11 @@ def parameters(wg) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in wg.worker(0).get_full_state_dict().items()}
 
 
-def test_skipped_rows_give_the_update_of_every_row(tiny_model_dir, make_batch):
-    skipping, every_row = local_actor(tiny_model_dir), local_actor(tiny_model_dir, skip_zero_advantage_rows=False)
+@pytest.mark.parametrize("batching", [{}, {"use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 12}],
+                         ids=["one-row", "token-budget"])
+def test_skipped_rows_give_the_update_of_every_row(tiny_model_dir, make_batch, batching):
+    skipping = local_actor(tiny_model_dir, **batching)
+    every_row = local_actor(tiny_model_dir, skip_zero_advantage_rows=False, **batching)
     ran, ran_all = count_forward_rows(skipping), count_forward_rows(every_row)
     start = parameters(every_row)
     for data_of, trained in ((lambda: zero_rows(make_batch(seed=4), [1, 3]), 0.5),  # half the rows train
@@ -59,7 +62,9 @@ def test_skipped_rows_give_the_update_of_every_row(tiny_model_dir, make_batch):
         ran.clear(), ran_all.clear()
         got, want = skipping.update_policy(data_of())[0], every_row.update_policy(data_of())[0]
         assert got["actor/trained_rows_frac"] == trained and "actor/trained_rows_frac" not in want
-        assert ran == ([1, 1] if trained else [1]) and ran_all == [1, 1, 1, 1]  # no row trains: one stand-in pass
+        if not batching:  # one row per pass; with no row to train, one stand-in pass
+            assert ran == ([1, 1] if trained else [1]) and ran_all == [1, 1, 1, 1]
+        assert sum(ran) == (2 if trained else 1) and sum(ran_all) == 4
         assert got["actor/loss"] == pytest.approx(want["actor/loss"], abs=1e-7)
         assert got["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-6, abs=1e-9)
         after, after_all = parameters(skipping), parameters(every_row)
