@@ -11,6 +11,7 @@ Per step, for a batch of prompts:
       (with reward.model.path: a learned reward model's score, or the sum: rlcore.trainer.learned_reward)
     log-probs under the sampling policy and under the frozen reference     old / ref log-probs
     the critic's value of every response prefix                            values
+      (these three forwards start before the reward: the workers run them while the driver scores)
     rewards = scores - beta * KL(pi_old || ref) per token, beta adapted    KL penalty
     GAE advantages and returns over the response tokens                    advantages
     clipped value regression to the returns; clipped policy step           update critic, actor
