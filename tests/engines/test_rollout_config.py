@@ -49,7 +49,7 @@ def test_rollout_errors_name_the_key(section, expected):
 @pytest.mark.parametrize("section, expected", [
     ({"path": "/m", "dtype": "float8"}, r"section 'model': model\.dtype must be one of .*got 'float8'"),
     ({"path": "/m", "device": "cpu"}, r"model\.device: Key 'device' not in 'ModelConfig'"),  # trainer.device now
-    ({"path": "/m", "mixed_precision": "float16"}, r"model\.mixed_precision must be null or 'bfloat16'"),
+    ({"path": "/m", "mixed_precision": "float16"}, r"model\.mixed_precision must be null, 'bfloat16' or 'auto'"),
     ({"path": "/m", "dtype": "bfloat16", "mixed_precision": "bfloat16"}, r"set model\.dtype=float32"),
     ({"path": "/m", "gradient_checkpointing": "maybe"}, r"model\.gradient_checkpointing: .*'maybe'"),
 ])
