@@ -79,5 +79,8 @@ def mean_over_ranks(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
     """One dict from the per-rank metric dicts of a DP_COMPUTE_METRIC call (each rank saw equal rows).
     A key only some ranks report (a rank that trained no row of a mini-batch has no loss terms of
     it: ``FSDPTrainWorker.trained_micro_batches``) is the mean over those that do."""
-    keys = dict.fromkeys(k for m in per_rank for k in m)
-    return {k: sum(values) / len(values) for k in keys for values in [[m[k] for m in per_rank if k in m]]}
+    means = {}
+    for key in dict.fromkeys(k for m in per_rank for k in m):  # every key, in first-seen order
+        values = [m[key] for m in per_rank if key in m]
+        means[key] = sum(values) / len(values)
+    return means

@@ -351,12 +351,12 @@ class FSDPTrainWorker(Worker):
     train_cfg: TrainConfig
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
 
-    def micro_batches(self, data: DataProto) -> list[np.ndarray]:
+    def micro_batches(self, data: DataProto, agree: bool = True) -> list[np.ndarray]:
         if self.module is None:
             raise RuntimeError(f"{type(self).__name__}: call init_model() first")
         cfg = self.train_cfg
         return micro_batch_indices(data, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                   cfg.ppo_max_token_len_per_gpu, self.device)
+                                   cfg.ppo_max_token_len_per_gpu, self.device, agree)
 
     def trained_micro_batches(self, mini: DataProto, rows_with_grad: Callable[[DataProto], torch.Tensor] | None
                               ) -> list[tuple[np.ndarray, bool]]:
@@ -374,9 +374,7 @@ class FSDPTrainWorker(Worker):
         if rows_with_grad is None:
             return [(ix, True) for ix in self.micro_batches(mini)]
         keep = np.flatnonzero(rows_with_grad(mini).cpu().numpy())
-        cfg = self.train_cfg
-        parts = [keep[ix] for ix in micro_batch_indices(mini[keep], cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                                        cfg.ppo_max_token_len_per_gpu, agree=False)] if len(keep) else []
+        parts = [keep[ix] for ix in self.micro_batches(mini[keep], agree=False)] if len(keep) else []
         count = max(max_over_ranks(len(parts), self.device), 1)
         return [(ix, True) for ix in parts] + [(np.arange(1), False)] * (count - len(parts))
 
