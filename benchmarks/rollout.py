@@ -31,7 +31,6 @@ BACKENDS = {
     "vllm-fp32-loader": {"backend": "vllm", "dtype": "float32"},  # weight sync through vLLM's loader, for comparison
     "vllm-bf16-loader": {"backend": "vllm", "dtype": "bfloat16"},
 }
-ENV = {"vllm-fp32-loader": {"RLCORE_VLLM_SYNC": "loader"}, "vllm-bf16-loader": {"RLCORE_VLLM_SYNC": "loader"}}
 
 
 def make_prompts(tokenizer, count: int, max_len: int, seed: int):
@@ -111,7 +110,9 @@ def spawn(backend: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", backend, "--model-dir", args.model_dir,
            "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
            "--sync-repeats", str(args.sync_repeats), "--kv-cache-mb", str(args.kv_cache_mb)]
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TRANSFORMERS_VERBOSITY": "error", **ENV.get(backend, {})}
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING", "TRANSFORMERS_VERBOSITY": "error"}
+    if backend.endswith("-loader"):  # the same engine, its weight sync forced through vLLM's loader
+        env["RLCORE_VLLM_SYNC"] = "loader"
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout_s)
     results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not results:

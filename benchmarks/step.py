@@ -172,7 +172,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
-                       "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained, "worker_compute_s": compute, "parts_s": parts}, f, indent=2)
+                       "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained,
+                       "worker_compute_s": compute, "parts_s": parts}, f, indent=2)
 
 
 if __name__ == "__main__":
