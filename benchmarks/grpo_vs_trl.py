@@ -59,7 +59,6 @@ def run_rlcore(args) -> dict:
     from rlcore.rewards.manager import RuleRewardManager
     from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls
     from rlcore.workers.actor import ActorWorker
-    from rlcore.workers.precision import resolve_mixed_precision
     from rlcore.workers.rollout import RolloutWorker
 
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -83,7 +82,7 @@ def run_rlcore(args) -> dict:
     # The colocated actor trains with the threads this process has once vLLM is up (reported as
     # torch_threads; measured 2 on the 2-core CPU machine: vLLM's CPU worker leaves them as they are).
     threads = torch.get_num_threads()
-    train_dtype = resolve_mixed_precision(group.worker(0, "actor").model_cfg, None, torch.device("cpu")) or "float32"
+    train_dtype = group.worker(0, "actor").compute_dtype or "float32"
     reward = RuleRewardManager(tok, "arithmetic", num_workers=0)
     examples = make_prompts(args.prompts)
     items = [{"input_ids": torch.tensor(tok(e["prompt"])["input_ids"]), "ground_truth": e["answer"], "uid": str(i)}

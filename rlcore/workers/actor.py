@@ -54,6 +54,7 @@ from rlcore.workers.fsdp_utils import (
     response_slice,
     setup_worker,
 )
+from rlcore.workers.precision import resolve_mixed_precision
 from rlcore.workers.lora import lora_scaling, merge_lora_tensors, trainable_parameters, wrap_lora
 from rlcore.workers.moe import MoEActor, micro_share
 
@@ -88,7 +89,8 @@ class ActorWorker(FSDPTrainWorker):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.lora:
             model = wrap_lora(model, self.train_cfg.lora)  # before sharding: FSDP2 shards the adapters too
-        self.module = apply_fsdp2(model, self.device, mixed_precision_policy(model_cfg, model, self.device))
+        self.compute_dtype = resolve_mixed_precision(model_cfg, model, self.device)  # "bfloat16" or None (fp32)
+        self.module = apply_fsdp2(model, self.device, mixed_precision_policy(self.compute_dtype))
         if self.role == "actor":
             self.optimizer = build_optimizer(trainable_parameters(self.module), self.train_cfg)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)

@@ -40,6 +40,7 @@ from rlcore.workers.fsdp_utils import (
     response_slice,
     setup_worker,
 )
+from rlcore.workers.precision import resolve_mixed_precision
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 
@@ -60,7 +61,8 @@ class CriticWorker(FSDPTrainWorker):
         if model_cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=dtype)
-        self.module = apply_fsdp2(ScalarHeadModel(backbone, head), self.device, mixed_precision_policy(model_cfg, backbone, self.device))
+        self.compute_dtype = resolve_mixed_precision(model_cfg, backbone, self.device)  # "bfloat16" or None (fp32)
+        self.module = apply_fsdp2(ScalarHeadModel(backbone, head), self.device, mixed_precision_policy(self.compute_dtype))
         self.optimizer = build_optimizer(self.module.parameters(), self.train_cfg)
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)
 

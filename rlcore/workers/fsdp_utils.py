@@ -41,13 +41,11 @@ from rlcore.engines.layout import crop_padding, pad_back
 from rlcore.engines.seeding import set_deterministic
 from rlcore.engines.server import push_buckets
 from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
-from rlcore.models.config import ModelConfig
 from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
 from rlcore.workers.moe import router_mp_policy
-from rlcore.workers.precision import resolve_mixed_precision
 
 
 def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
@@ -81,11 +79,11 @@ class ScalarHeadModel(nn.Module):
         return self.head(hidden).squeeze(-1).clone()  # FSDP2 warns about view outputs
 
 
-def mixed_precision_policy(model_cfg: ModelConfig, model: nn.Module, device: torch.device) -> MixedPrecisionPolicy:
-    """FSDP2's policy for ``model.mixed_precision`` (checked by ModelConfig; ``auto`` resolved by
-    measuring ``model`` on ``device``: ``rlcore.workers.precision``): compute in it, keep and reduce in float32."""
-    if resolve_mixed_precision(model_cfg, model, device) is None:
-        return MixedPrecisionPolicy()  # compute in the parameters' own dtype
+def mixed_precision_policy(compute_dtype: str | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for a resolved ``model.mixed_precision`` (``resolve_mixed_precision``):
+    compute in it, keep and reduce in float32; None computes in the parameters' own dtype."""
+    if compute_dtype is None:
+        return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 

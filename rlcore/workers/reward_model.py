@@ -59,6 +59,7 @@ from rlcore.workers.fsdp_utils import (
     mixed_precision_policy,
     setup_worker,
 )
+from rlcore.workers.precision import resolve_mixed_precision
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 PAIR_KEYS = ["input_ids", "attention_mask", "position_ids", "response_mask"]
@@ -115,8 +116,8 @@ class RewardModelWorker(FSDPTrainWorker):
         module = ScalarHeadModel(body, model.score)
         if not self.trainable:
             module.requires_grad_(False)
-        policy = mixed_precision_policy(model_cfg, model, self.device) if self.trainable else None
-        self.module = apply_fsdp2(module, self.device, policy)
+        self.compute_dtype = resolve_mixed_precision(model_cfg, model, self.device) if self.trainable else None
+        self.module = apply_fsdp2(module, self.device, mixed_precision_policy(self.compute_dtype))
         if self.trainable:
             self.optimizer = build_optimizer(self.module.parameters(), self.train_cfg)
             self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)

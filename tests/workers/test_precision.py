@@ -47,10 +47,11 @@ def test_the_probe_leaves_the_model_as_it_was(tiny_model_dir):
 
 
 def log_probs(path, mixed_precision, data):
+    """The actor's masked log-probs of ``data``, and the precision the actor says it computes in."""
     config = {"model": {"path": path, "mixed_precision": mixed_precision}, "actor": {"ppo_micro_batch_size_per_gpu": 4}}
     wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, config), world_size=1)
     wg.init_model()
-    return wg.compute_log_prob(data).batch["old_log_probs"] * data.batch["response_mask"]
+    return wg.compute_log_prob(data).batch["old_log_probs"] * data.batch["response_mask"], wg.worker().compute_dtype
 
 
 @pytest.mark.parametrize("chosen", ["bfloat16", None])
@@ -58,10 +59,11 @@ def test_auto_trains_in_the_measured_choice(monkeypatch, tiny_model_dir, make_ba
     """The same numbers as setting the choice by hand: bf16 ones where bf16 was chosen, fp32 ones else."""
     calls = []
     monkeypatch.setattr(precision, "choose_mixed_precision", lambda model, device: calls.append(1) or (chosen, "test"))
-    auto = log_probs(tiny_model_dir, "auto", make_batch())
+    auto, compute_dtype = log_probs(tiny_model_dir, "auto", make_batch())
+    assert compute_dtype == chosen
     log_probs(tiny_model_dir, "auto", make_batch())  # a second worker of the same model in this process: no new probe
     assert len(calls) == 1
-    by_hand, other = log_probs(tiny_model_dir, chosen, make_batch()), log_probs(tiny_model_dir, "bfloat16" if chosen is None else None, make_batch())
+    by_hand, other = log_probs(tiny_model_dir, chosen, make_batch())[0], log_probs(tiny_model_dir, "bfloat16" if chosen is None else None, make_batch())[0]
     torch.testing.assert_close(auto, by_hand, rtol=0, atol=0)
     assert (auto - other).abs().max() > 1e-4  # the two precisions really differ
 
@@ -83,5 +85,5 @@ def test_two_ranks_take_rank_zeros_choice(ray_cluster, tiny_model_dir, make_batc
     finally:
         group.shutdown()
         pool.shutdown()
-    gaps = [(sharded - log_probs(tiny_model_dir, choice, make_batch())).abs().max().item() for choice in (None, "bfloat16")]
+    gaps = [(sharded - log_probs(tiny_model_dir, choice, make_batch())[0]).abs().max().item() for choice in (None, "bfloat16")]
     assert min(gaps) < 1e-6 < max(gaps)
