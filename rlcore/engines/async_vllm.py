@@ -65,6 +65,8 @@ class AsyncVLLMEngine(AsyncEngine):
         self.engine_id, self.policy_version = engine_id, 0
         self._ids = itertools.count()
         self._running = 0
+        self._peak_running = 0  # the most requests decoded at once: where cpu_weight_layout "auto" measures
+        self.cpu_weight_layout = rollout_cfg.cpu_weight_layout
         self._version_set = False
         self._update: dict | None = None
 
@@ -93,6 +95,7 @@ class AsyncVLLMEngine(AsyncEngine):
         start = time.perf_counter()
         final = None
         self._running += 1
+        self._peak_running = max(self._peak_running, self._running)
         self._request_started()
         try:
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
@@ -136,7 +139,8 @@ class AsyncVLLMEngine(AsyncEngine):
             shared = torch.from_file(path, shared=True, size=bucket.nbytes, dtype=torch.uint8)
             shared.copy_(bucket.buffer)
             entries = [(n, str(d).removeprefix("torch."), list(s), o) for n, d, s, o in bucket.entries]
-            await self.llm.collective_rpc("load_bucket_file", args=(path, bucket.nbytes, entries))
+            await self.llm.collective_rpc("load_bucket_file", args=(path, bucket.nbytes, entries,
+                                                                    self.cpu_weight_layout, self._peak_running))
         finally:
             if os.path.exists(path):
                 os.remove(path)

@@ -48,6 +48,11 @@ class RolloutConfig:
     max_model_len: int | None = None  # vllm: longest prompt + response; null: the model's max positions
     enforce_eager: bool = True  # vllm: no CUDA graphs / compilation (fast start; what works on CPU)
     seed: int = 0  # seed of the engine's own stream (rank r: seed + r), for calls that bring no seed of their own
+    # vllm, CPU build: how matmul layers keep their weights across weight updates. "packed": vLLM's
+    # kernels, packed again on every update (~3x a plain copy); "plain": torch's matmul on the plain
+    # weight (an update is a copy); "auto": per layer shape, plain where that measured at most 5%
+    # slower at the batch the engine decodes (rlcore.engines.vllm_worker.InPlacePlan)
+    cpu_weight_layout: str = "auto"
     record_routing: bool = False  # MoE: return routed_experts (B, T, layers, k), the experts chosen at sampling (router replay)
 
     def __post_init__(self) -> None:
@@ -58,6 +63,9 @@ class RolloutConfig:
             torch_dtype(self.dtype, "rollout.dtype")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_weight_layout not in ("auto", "packed", "plain"):
+            raise ValueError("rollout.cpu_weight_layout must be 'auto', 'packed' or 'plain', "
+                             f"got {self.cpu_weight_layout!r}")
         SamplingSettings.from_config(self)  # validates the sampling keys
 
 

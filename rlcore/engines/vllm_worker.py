@@ -3,8 +3,9 @@
 vLLM mixes this class into its worker, so ``collective_rpc("load_bucket_file", ...)`` runs it next
 to the model: it maps the bucket's shared-memory file (no copy through the RPC), views each tensor
 in it, and loads those weights with ``reload_weights``, shared with ``VLLMEngine.load_weights``:
-in place for a dense model on vLLM's CPU build (``InPlacePlan``: copies into the engine's tensors
-and vLLM's own packing of each layer), through vLLM's layerwise reload otherwise (HF names mapped
+in place for a dense model on vLLM's CPU build (``InPlacePlan``: copies into the engine's tensors,
+then vLLM's own packing of each layer, or none where the layer runs on its plain weight:
+``rollout.cpu_weight_layout``), through vLLM's layerwise reload otherwise (HF names mapped
 onto fused q/k/v and gate/up parameters, cast to the engine's dtype; on the CPU build MoE experts
 prepacked again: ``repack_cpu_experts``). This module must not import anything heavy: vLLM
 imports it in its worker at start-up.
@@ -17,11 +18,17 @@ import time
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
+
+LAYOUTS = ("auto", "packed", "plain")  # rollout.cpu_weight_layout
+PLAIN_TOLERANCE = 1.05  # auto: a layer goes plain if that measures at most 5% slower than vLLM's packed kernel
 
 
 class BucketLoader:
-    def load_bucket_file(self, path: str, nbytes: int, entries: list) -> int:
-        """Reload the weights of one bucket file; returns how many tensors it held."""
+    def load_bucket_file(self, path: str, nbytes: int, entries: list, layout: str = "packed",
+                         decode_rows: int = 0) -> int:
+        """Reload the weights of one bucket file (``layout``, ``decode_rows``: see ``reload_weights``);
+        returns how many tensors it held."""
         buffer = torch.from_file(path, shared=False, size=nbytes, dtype=torch.uint8)
         tensors = []
         for name, dtype, shape, offset in entries:
@@ -31,15 +38,16 @@ class BucketLoader:
                 count *= dim
             size = count * torch.empty((), dtype=dt).element_size()
             tensors.append((name, buffer[offset:offset + size].view(dt).view(shape)))
-        reload_weights(self.model_runner, tensors)
+        reload_weights(self.model_runner, tensors, layout, decode_rows)
         return len(tensors)
 
 
-def reload_weights(model_runner, named_tensors) -> str:
+def reload_weights(model_runner, named_tensors, layout: str = "packed", decode_rows: int = 0) -> str:
     """Load HF-named weights into the worker's model; returns the path taken.
 
     ``"in_place"``: a dense model on vLLM's CPU build, through ``InPlacePlan`` (copies into the
-    engine's own tensors, then the engine's own post-processing of the layers that need it).
+    engine's own tensors, then the engine's own post-processing of the layers that need it;
+    ``layout`` and ``decode_rows``: how each matmul layer keeps its weight, see ``InPlacePlan.load``).
     ``"loader"``: anything else (MoE, quantized or tensor-parallel layers, names the plan does not
     know, a fused layer only part of which is in this update, other platforms), through
     ``model_runner.reload_weights`` (vLLM's layerwise reload), with the fix an MoE model needs on
@@ -50,10 +58,14 @@ def reload_weights(model_runner, named_tensors) -> str:
     model = model_runner.get_model()
     plan = in_place_plan(model)
     if os.environ.get("RLCORE_VLLM_SYNC") != "loader" and plan.covers(named_tensors):
-        plan.load(named_tensors)
+        plan.load(named_tensors, layout, decode_rows)
         return "in_place"
+    plan.pack_plain_layers()  # vLLM's reload expects the layers as it left them
     with repack_cpu_experts(model):
         model_runner.reload_weights(weights_iterator=unfuse_experts(named_tensors))
+    # vLLM's reload rebuilds and packs the layers it touched again: the plan's targets (views of the
+    # tensors it replaced, layers it had put on their plain weights) are worked out afresh next time.
+    model.__dict__.pop("_rlcore_in_place_plan", None)
     return "loader"
 
 
@@ -61,8 +73,34 @@ def in_place_plan(model: torch.nn.Module) -> "InPlacePlan":
     """The model's ``InPlacePlan``, made on first use and kept on the model (its targets are per name)."""
     plan = model.__dict__.get("_rlcore_in_place_plan")
     if plan is None:
-        plan = model.__dict__["_rlcore_in_place_plan"] = InPlacePlan(model)
+        measured = model.__dict__.setdefault("_rlcore_plain_vs_packed", {})  # outlives a plan: measured once
+        plan = model.__dict__["_rlcore_in_place_plan"] = InPlacePlan(model, measured)
     return plan
+
+
+def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A matmul layer on its own (N, K) weight, through torch (what vLLM itself falls back to on CPU).
+    The bias is cast to the input's dtype: vLLM's small-GEMM kernel keeps a layer's bias in fp32."""
+    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def plain_vs_packed(packed, weight: torch.Tensor, decode_rows: int, repeats: int = 5) -> float:
+    """Time of torch's matmul on the plain ``weight`` over that of the layer's packed kernel
+    ``packed`` (its ``cpu_linear``), for a decode step of ``decode_rows`` sequences and of a quarter
+    of them (a batch thins out as its responses end); the best of ``repeats`` interleaved rounds each."""
+    total = {"plain": 0.0, "packed": 0.0}
+    for m in sorted({decode_rows, max(1, decode_rows // 4)}):
+        x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
+        best = {"plain": float("inf"), "packed": float("inf")}
+        for _ in range(repeats + 1):  # the first round warms both up
+            for side, fn in (("plain", F.linear), ("packed", packed)):
+                start = time.perf_counter()
+                for _ in range(3):
+                    fn(x, weight, None)
+                best[side] = min(best[side], time.perf_counter() - start)
+        for side in total:
+            total[side] += best[side]
+    return total["plain"] / total["packed"]
 
 
 class InPlacePlan:
@@ -84,9 +122,19 @@ class InPlacePlan:
 
     A name the plan cannot place (no target, another shape, MoE experts, tensor parallelism, a
     quantized method, a GPU build) gets no target, and ``reload_weights`` uses vLLM's loader.
+
+    The packing is most of an update (~3x a plain copy of the same bytes, on the CPUs measured). A
+    matmul layer (the LM head too) can instead run on its plain weight through torch, which vLLM
+    itself does where it does not pack; an update of such a layer is then one ``copy_`` into it.
+    Whether that costs generation speed depends on the CPU, the dtype and the batch: measured on a
+    2-core Zen 5 EPYC in bf16 (25M parameters), torch's matmul per layer was 1.0-1.1x the packed
+    kernel's time at 256 rows and up to 1.7x at 16, and sampling 256 x 128 tokens 11% slower, for
+    an update of 4.7 instead of 12.4 ms. So ``load``'s ``layout``: ``packed`` (vLLM's kernels), ``plain``, or
+    ``auto``: per layer shape, plain where it measures at most ``PLAIN_TOLERANCE`` times the packed
+    kernel's time at the batch the engine decodes (``plain_vs_packed``), decided once per shape.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, measured: dict | None = None) -> None:
         from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
         from vllm.platforms import current_platform
 
@@ -104,6 +152,7 @@ class InPlacePlan:
         self.linears: dict[str, tuple] = {}  # module name -> (module, (rows, cols), dtype, number of HF parts)
         self.staging: torch.Tensor | None = None
         self.last_pack_s: float | None = None
+        self.measured = {} if measured is None else measured  # (N, K, dtype) -> plain / packed time
 
     def covers(self, named_tensors: list) -> bool:
         """Whether every tensor has a target and every fused layer touched gets all its parts."""
@@ -160,7 +209,13 @@ class InPlacePlan:
         return ("param", view, self.owners.get(id(param), []))
 
     @torch.no_grad()
-    def load(self, named_tensors: list) -> None:
+    def load(self, named_tensors: list, layout: str = "packed", decode_rows: int = 0) -> None:
+        """Copy ``named_tensors`` (all placed: ``covers``) into the engine. Each matmul layer not yet
+        on its plain weight is packed again, or moved onto its plain weight as ``layout`` says
+        (``auto``: as measured at a decode of ``decode_rows`` sequences; with 0, before the engine
+        has decoded anything, it stays packed and is measured at a later update)."""
+        if layout not in LAYOUTS:
+            raise ValueError(f"rollout.cpu_weight_layout must be one of {LAYOUTS}, got {layout!r}")
         by_linear: dict[str, list] = {}
         to_process: list = []
         for name, tensor in named_tensors:
@@ -176,6 +231,11 @@ class InPlacePlan:
             weight = self._staging(rows * cols, dtype).view(rows, cols)
             for offset, tensor in parts:
                 weight[offset: offset + tensor.shape[0]].copy_(tensor)
+            if self._goes_plain(module, weight, layout, decode_rows):
+                module.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+                module.cpu_linear = plain_linear
+                self._place_again(module_name)
+                continue
             # vLLM packs from layer.weight, then swaps in an empty tensor: the staging buffer is free
             # for the next layer as soon as the call returns.
             module.weight = torch.nn.Parameter(weight, requires_grad=False)
@@ -185,10 +245,50 @@ class InPlacePlan:
             if module.weight.data_ptr() == weight.data_ptr():  # vLLM kept it (no packed kernel after all)
                 module.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
         packing = time.perf_counter()
-        for module in to_process:
-            module.quant_method.process_weights_after_loading(module)
+        for module in to_process:  # embeddings and LM heads keep their weight: plain needs no copy
+            if getattr(module, "cpu_linear", None) is plain_linear:
+                continue
+            if self._goes_plain(module, module.weight, layout, decode_rows):
+                module.cpu_linear = plain_linear
+            else:
+                module.quant_method.process_weights_after_loading(module)
         pack_s += time.perf_counter() - packing
         self.last_pack_s = pack_s  # seconds in vLLM's packing (benchmarks/rollout.py)
+
+    def layouts(self) -> dict[str, int]:
+        """How many matmul layers (LM heads included) run on a packed kernel and on their plain weight."""
+        counts = {"packed": 0, "plain": 0}
+        for module in self.modules.values():
+            linear = getattr(module, "cpu_linear", None)
+            if linear is not None:
+                counts["plain" if linear in (plain_linear, F.linear) else "packed"] += 1
+        return counts
+
+    def pack_plain_layers(self) -> None:
+        """Put every layer that runs on its plain weight back onto vLLM's packed kernel (as it was
+        after loading the model): vLLM's own reload copies into the tensors it left, not ours."""
+        for module in self.modules.values():
+            if getattr(module, "cpu_linear", None) is plain_linear:
+                module.quant_method.process_weights_after_loading(module)
+
+    def _goes_plain(self, module: torch.nn.Module, weight: torch.Tensor, layout: str, decode_rows: int) -> bool:
+        packed = getattr(module, "cpu_linear", None)
+        if layout == "packed" or packed is None or packed is F.linear:  # no packed kernel to leave
+            return False
+        if layout == "plain":
+            return True
+        if decode_rows <= 0:
+            return False
+        key = (tuple(weight.shape), weight.dtype)
+        if key not in self.measured:
+            self.measured[key] = plain_vs_packed(packed, weight, decode_rows)
+        return self.measured[key] <= PLAIN_TOLERANCE
+
+    def _place_again(self, module_name: str) -> None:
+        """A layer moved onto its plain weight: its parts are placed again, as copies into its rows."""
+        self.linears.pop(module_name, None)
+        for name in [n for n, t in self.targets.items() if t is not None and t[:2] == ("linear", module_name)]:
+            del self.targets[name]
 
     def _staging(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """One buffer for every layer's checkpoint-layout weight, kept across updates (a fresh one

@@ -317,8 +317,10 @@ def vllm_engine(model_dir, vllm_loop):
     pytest.importorskip("vllm")
     from rlcore.engines.async_vllm import AsyncVLLMEngine
 
+    # plain: the updates through shared-memory buckets are copies into the matmul layers' own weights
+    # (the packed layout is tested in process: test_vllm_in_place_sync.py)
     cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=VLLM_MAX_NEW, kv_cache_memory_bytes=1 << 28,
-                        max_model_len=128)
+                        max_model_len=128, cpu_weight_layout="plain")
 
     async def build():  # AsyncLLM belongs to the loop it runs on: every vLLM test uses this one
         return AsyncVLLMEngine(ModelConfig(path=model_dir), cfg, engine_id="v0")

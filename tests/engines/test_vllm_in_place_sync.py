@@ -3,7 +3,9 @@ after loading another model's weights, greedy vLLM output must be that model's H
 token for token, with log-probs to 1e-5 (fp32 engine). Two layouts: llama with its own LM head,
 and qwen3 (q/k norms) with tied embeddings (the LM head shares the padded embedding matrix, so
 both must be packed again). An update the plan cannot place whole (part of a fused layer) goes
-through vLLM's own loader and is just as right.
+through vLLM's own loader and is just as right. Each with the matmul layers packed again on every
+update and moved onto their plain weights (``rollout.cpu_weight_layout``), whose later updates are
+copies into the very same tensors; and ``auto``, which follows what it measured.
 """
 
 import pytest
@@ -34,8 +36,17 @@ def _model(path, arch: str, seed: int, tied: bool) -> str:
     return out
 
 
+def _matmul_weights(engine) -> list[int]:
+    """The data pointers of the engine's plain matmul weights (empty for packed layers)."""
+    def pointers(worker):
+        return [m.weight.data_ptr() for m in worker.model_runner.get_model().modules()
+                if hasattr(m, "cpu_linear") and m.weight.numel()]
+    return engine.llm.collective_rpc(pointers)[0]
+
+
+@pytest.mark.parametrize("layout", ["packed", "plain"])
 @pytest.mark.parametrize("arch, tied", [("llama", False), ("qwen3", True)])
-def test_in_place_update_gives_the_new_models_greedy_output(tmp_path, arch, tied):
+def test_in_place_update_gives_the_new_models_greedy_output(tmp_path, monkeypatch, arch, tied, layout):
     from rlcore.engines.vllm_engine import VLLMEngine
     from rlcore.engines.vllm_worker import reload_weights
 
@@ -43,11 +54,16 @@ def test_in_place_update_gives_the_new_models_greedy_output(tmp_path, arch, tied
     tok = AutoTokenizer.from_pretrained(start)
     prompts = make_prompts(tok, PROMPTS)
     engine = VLLMEngine(ModelConfig(path=start), RolloutConfig(
-        backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_memory_bytes=1 << 28, max_model_len=256))
+        backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_memory_bytes=1 << 28, max_model_len=256,
+        cpu_weight_layout=layout))
     before = generate(engine, prompts, GREEDY)
     new_state = AutoModelForCausalLM.from_pretrained(new).state_dict()
     engine.load_weights(new_state)
     assert engine.last_sync_path == "in_place"
+    layers = sum(engine.weight_layouts.values())
+    expected_layouts = {"packed": layers, "plain": 0} if layout == "packed" else {"packed": 0, "plain": layers}
+    assert engine.weight_layouts == expected_layouts
+    plain_weights = _matmul_weights(engine)
     after = generate(engine, prompts, GREEDY)
     expected = generate(HFEngine(ModelConfig(path=new), RolloutConfig(max_new_tokens=MAX_NEW)), prompts, GREEDY)
     # the update changes the output (a random tied model repeats one token, so compare log-probs too)
@@ -55,14 +71,59 @@ def test_in_place_update_gives_the_new_models_greedy_output(tmp_path, arch, tied
     assert torch.equal(after.batch["responses"], expected.batch["responses"])
     assert torch.allclose(after.batch["rollout_log_probs"], expected.batch["rollout_log_probs"], atol=1e-5)
 
-    # Part of a fused layer (q without k and v): vLLM's loader, which leaves the rest as it is.
     start_state = AutoModelForCausalLM.from_pretrained(start).state_dict()
+    engine.load_weights(start_state)  # back to the start, in place: plain layers are copied into
+    assert engine.last_sync_path == "in_place"
+    assert _matmul_weights(engine) == plain_weights  # the same tensors where plain (none where packed)
+    # Part of a fused layer (q without k and v) through vLLM's loader, which leaves the rest as it is
+    # and packs the layers it rebuilt again (the plan then places everything afresh).
     partial = [(n, t) for n, t in start_state.items() if ".q_proj." in n]
-    paths = engine.llm.collective_rpc(lambda worker: reload_weights(worker.model_runner, partial))
+    if layout == "plain":  # a plain layer would take part of its rows in place: ask for the loader
+        monkeypatch.setenv("RLCORE_VLLM_SYNC", "loader")
+    paths = engine.llm.collective_rpc(lambda worker: reload_weights(worker.model_runner, partial, layout))
+    monkeypatch.delenv("RLCORE_VLLM_SYNC", raising=False)
     assert paths == ["loader"]
     engine.load_weights(start_state)  # and back to the start, in place
     assert engine.last_sync_path == "in_place"
+    assert engine.weight_layouts == expected_layouts
     engine.llm.reset_prefix_cache()
     back = generate(engine, prompts, GREEDY)
     assert torch.equal(back.batch["responses"], before.batch["responses"])
     assert torch.allclose(back.batch["rollout_log_probs"], before.batch["rollout_log_probs"], atol=1e-5)
+
+
+def test_auto_layout_follows_the_measurement_once_per_shape(tmp_path, monkeypatch):
+    """``auto``: nothing is measured before the engine has decoded a batch; then each matmul shape
+    once, at the batch it decoded, and a layer goes plain where its measured ratio is within the
+    tolerance; the output is the new model's either way."""
+    from rlcore.engines import vllm_worker
+    from rlcore.engines.vllm_engine import VLLMEngine
+
+    start, new = _model(tmp_path / "start", "llama", 0, False), _model(tmp_path / "new", "llama", 1, False)
+    tok = AutoTokenizer.from_pretrained(start)
+    prompts = make_prompts(tok, PROMPTS)
+    probed = []
+
+    def ratio(packed, weight, rows):  # the MLP's gate/up layer "measures" slower on its plain weight
+        probed.append((tuple(weight.shape), rows))
+        return 1.3 if weight.shape[0] == 2 * intermediate else 1.0
+
+    intermediate = AutoModelForCausalLM.from_pretrained(start).config.intermediate_size
+    monkeypatch.setattr(vllm_worker, "plain_vs_packed", ratio)
+    engine = VLLMEngine(ModelConfig(path=start), RolloutConfig(
+        backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_memory_bytes=1 << 28, max_model_len=256))
+    new_state = AutoModelForCausalLM.from_pretrained(new).state_dict()
+    engine.load_weights(new_state)  # nothing decoded yet: everything stays packed, nothing measured
+    assert probed == [] and engine.weight_layouts["plain"] == 0
+    generate(engine, prompts, GREEDY)
+    engine.load_weights(new_state)
+    shapes = {shape for shape, _ in probed}
+    assert len(probed) == len(shapes) and all(rows == len(PROMPTS) for _, rows in probed)
+    layers = AutoModelForCausalLM.from_pretrained(start).config.num_hidden_layers
+    assert engine.weight_layouts["packed"] == layers  # the gate/up layers
+    engine.load_weights(new_state)
+    assert len(probed) == len(shapes)  # measured once per shape
+    after = generate(engine, prompts, GREEDY)
+    expected = generate(HFEngine(ModelConfig(path=new), RolloutConfig(max_new_tokens=MAX_NEW)), prompts, GREEDY)
+    assert torch.equal(after.batch["responses"], expected.batch["responses"])
+    assert torch.allclose(after.batch["rollout_log_probs"], expected.batch["rollout_log_probs"], atol=1e-5)
