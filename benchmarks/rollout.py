@@ -10,7 +10,11 @@ prompts x new-tokens tokens. Each engine is warmed up with one small batch befor
 
 Weight sync: ``update_weights`` with the model's own full state dict (what the actor hands over),
 against a plain ``param.copy_`` of the same tensors into an HF model of the engine's dtype; for
-vLLM also the path it took (in place, or vLLM's loader) and the part spent in vLLM's packing.
+vLLM also the path it took (in place, or vLLM's loader), the part spent in vLLM's packing, and how
+many matmul layers ended up on vLLM's packed kernels and how many on their plain weights
+(``rollout.cpu_weight_layout``: the ``-packed`` / ``-plain`` backends fix it, the others are on
+``auto``, which decides at the first sync). Generation is timed again after the syncs (what a
+training run sees from its second step on): ``gen s`` and ``tokens/s`` are that second run.
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ BACKENDS = {
     "vllm-bf16": {"backend": "vllm", "dtype": "bfloat16"},
     "vllm-fp32-loader": {"backend": "vllm", "dtype": "float32"},  # weight sync through vLLM's loader, for comparison
     "vllm-bf16-loader": {"backend": "vllm", "dtype": "bfloat16"},
+    "vllm-fp32-packed": {"backend": "vllm", "dtype": "float32", "cpu_weight_layout": "packed"},
+    "vllm-bf16-packed": {"backend": "vllm", "dtype": "bfloat16", "cpu_weight_layout": "packed"},
+    "vllm-fp32-plain": {"backend": "vllm", "dtype": "float32", "cpu_weight_layout": "plain"},
+    "vllm-bf16-plain": {"backend": "vllm", "dtype": "bfloat16", "cpu_weight_layout": "plain"},
 }
 
 
@@ -74,10 +82,13 @@ def run_one(args: argparse.Namespace) -> dict:
     warm_up.meta_info["max_new_tokens"] = 8
     wg.generate_sequences(warm_up)
     prompts = make_prompts(tok, args.prompts, args.prompt_len, seed=0)
-    start = time.perf_counter()
-    out = wg.generate_sequences(prompts)
-    gen_s = time.perf_counter() - start
-    n_tokens = int(out.batch["response_mask"].sum())
+
+    def timed_generation() -> tuple[float, int]:
+        start = time.perf_counter()
+        out = wg.generate_sequences(prompts)
+        return time.perf_counter() - start, int(out.batch["response_mask"].sum())
+
+    first_gen_s, _ = timed_generation()  # the engine as loaded (packed); auto decides at the first sync
 
     dtype = torch.float32 if rollout_cfg.get("dtype", "float32") == "float32" else torch.bfloat16
     state = AutoModelForCausalLM.from_pretrained(args.model_dir).state_dict()
@@ -88,6 +99,8 @@ def run_one(args: argparse.Namespace) -> dict:
         sync_s.append(wg.update_weights(state)[0]["rollout/weight_sync_s"])
         pack_s.append(getattr(engine, "last_pack_s", None))  # vLLM in place: its own packing of the layers
     sync_s, pack_s = sync_s[1:], pack_s[1:]
+    wg.generate_sequences(warm_up)
+    gen_s, n_tokens = timed_generation()
     target = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype).state_dict()
     copy_s = []
     for _ in range(1 + args.sync_repeats):
@@ -98,7 +111,8 @@ def run_one(args: argparse.Namespace) -> dict:
         copy_s.append(time.perf_counter() - start)
     copy_s = copy_s[1:]
     return {
-        "backend": args.child, "init_s": init_s, "gen_s": gen_s, "tokens": n_tokens, "tokens_per_s": n_tokens / gen_s,
+        "backend": args.child, "init_s": init_s, "gen_s": gen_s, "first_gen_s": first_gen_s, "tokens": n_tokens,
+        "tokens_per_s": n_tokens / gen_s, "weight_layouts": getattr(engine, "weight_layouts", None),
         "sync_s": statistics.median(sync_s), "copy_s": statistics.median(copy_s),
         "sync_path": getattr(engine, "last_sync_path", "in_place"),
         "pack_s": statistics.median(pack_s) if None not in pack_s else None,
@@ -125,15 +139,21 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
     base = next((r for r in rows if r["backend"] == "hf"), rows[0])
     print(f"\npreset={args.preset} ({rows[0]['params'] / 1e6:.1f}M params), {args.prompts} prompts of <= "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens each, sampling T=1, 2-core CPU\n")
-    print(f"{'backend':<10} {'start s':>8} {'gen s':>8} {'tokens/s':>9} {'vs hf':>6} {'sync ms':>8} {'copy_ ms':>9} "
-          f"{'sync/copy_':>10} {'pack ms':>8}  sync path")
+    print(f"{'backend':<16} {'start s':>8} {'gen s':>8} {'tokens/s':>9} {'vs hf':>6} {'sync ms':>8} {'copy_ ms':>9} "
+          f"{'sync/copy_':>10} {'pack ms':>8}  sync path  matmul layers")
     for r in rows:
         pack = f"{1e3 * r['pack_s']:8.1f}" if r.get("pack_s") is not None else f"{'-':>8}"
-        print(f"{r['backend']:<10} {r['init_s']:8.1f} {r['gen_s']:8.2f} {r['tokens_per_s']:9.0f} "
+        print(f"{r['backend']:<16} {r['init_s']:8.1f} {r['gen_s']:8.2f} {r['tokens_per_s']:9.0f} "
               f"{r['tokens_per_s'] / base['tokens_per_s']:6.2f} {1e3 * r['sync_s']:8.1f} {1e3 * r['copy_s']:9.1f} "
-              f"{r['sync_s'] / r['copy_s']:10.1f} {pack}  {r.get('sync_path')}")
-    print("pack ms: the part of an in-place vLLM sync spent in vLLM's own packing of the layers' matmul weights "
-          "(oneDNN on CPU), the floor of any update into those kernels")
+              f"{r['sync_s'] / r['copy_s']:10.1f} {pack}  {r.get('sync_path'):<9}  {layouts(r)}")
+    print("gen s: after the syncs (the first generation, on the engine as loaded, is in the JSON as first_gen_s); "
+          "pack ms: the part of an in-place vLLM sync spent in vLLM's own packing of the layers' matmul weights "
+          "(oneDNN on CPU), the floor of any update into those kernels; matmul layers: packed / plain after the syncs")
+
+
+def layouts(row: dict) -> str:
+    counts = row.get("weight_layouts")
+    return f"{counts['packed']} / {counts['plain']}" if counts else "-"
 
 
 def main() -> None:
