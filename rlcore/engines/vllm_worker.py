@@ -128,7 +128,7 @@ class InPlacePlan:
     itself does where it does not pack; an update of such a layer is then one ``copy_`` into it.
     Whether that costs generation speed depends on the CPU, the dtype and the batch: measured on a
     2-core Zen 5 EPYC in bf16 (25M parameters), torch's matmul per layer was 1.0-1.1x the packed
-    kernel's time at 256 rows and up to 1.7x at 16, and sampling 256 x 128 tokens 11% slower, for
+    kernel's time at 256 rows and up to 1.9x at 16, and sampling 256 x 128 tokens 11% slower, for
     an update of 4.7 instead of 12.4 ms. So ``load``'s ``layout``: ``packed`` (vLLM's kernels), ``plain``, or
     ``auto``: per layer shape, plain where it measures at most ``PLAIN_TOLERANCE`` times the packed
     kernel's time at the batch the engine decodes (``plain_vs_packed``), decided once per shape.
