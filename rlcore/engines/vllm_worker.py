@@ -256,7 +256,8 @@ class InPlacePlan:
         self.last_pack_s = pack_s  # seconds in vLLM's packing (benchmarks/rollout.py)
 
     def layouts(self) -> dict[str, int]:
-        """How many matmul layers (LM heads included) run on a packed kernel and on their plain weight."""
+        """How many of the model's CPU matmul kernels are packed and how many run on a plain weight
+        (the linear layers and the LM head; vLLM gives the input embedding one as well)."""
         counts = {"packed": 0, "plain": 0}
         for module in self.modules.values():
             linear = getattr(module, "cpu_linear", None)
