@@ -63,7 +63,7 @@ def hand_scores(model, input_ids, attention_mask, position_ids):
 def test_reward_model_recipe_trains_checkpoints_and_exports(tmp_path, tiny_model):
     overrides = [f"model.path={tiny_model}", "trainer.backend=local", "trainer.cpus_per_proc=1",
                  "trainer.total_steps=40", "trainer.val_freq=20", "trainer.save_freq=40", "data.train_batch_size=32",
-                 "data.arithmetic.n_train=64", "data.arithmetic.n_val=32", "reward_model.lr=1e-2"]
+                 "data.arithmetic.n_train=64", "data.arithmetic.n_val=32", "reward_model.lr=3e-3"]
     run = recipes.reward_model.train(config("reward_model", tmp_path, *overrides))
     rows = read_jsonl_metrics(run.dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(41))
@@ -77,17 +77,25 @@ def test_reward_model_recipe_trains_checkpoints_and_exports(tmp_path, tiny_model
     model = AutoModelForSequenceClassification.from_pretrained(run.dir / "hf")
     tok = AutoTokenizer.from_pretrained(run.dir / "hf")
     assert model.config.num_labels == 1
-    right = ties = 0
+    right = ties = malformed_right = 0
     for p in pairs:
         ids = [tok(p["prompt"] + p[side])["input_ids"] + [tok.eos_token_id] for side in ("chosen", "rejected")]
         scores = [hand_scores(model, torch.tensor([x]), torch.ones(1, len(x), dtype=torch.long),
                               torch.arange(len(x))[None]).item() for x in ids]
         right += scores[0] > scores[1]
+        malformed_right += p["kind"] == "malformed" and scores[0] > scores[1]
         ties += abs(scores[0] - scores[1]) < 1e-5  # (near-)equal scores: batched and one-by-one float sums may order them either way
     accuracy = right / len(pairs)
     # what the run logged, up to the pairs whose two scores tie within float noise (seen: 2 of 96 within 5e-7)
     assert abs(accuracy - rows[40]["val/pair_accuracy"]) <= ties / len(pairs) + 1e-6
-    assert accuracy > 0.6, accuracy  # chance is 0.5; 0.6 on 96 pairs is 2 standard deviations above it
+    # From a random init in 40 steps the model learns the surface of an answer, not arithmetic: a
+    # malformed answer ranked below a well-formed one (0.81-0.88 over training-set sizes 48-128 on a
+    # Zen 5 CPU; the digit and random kinds stay near chance, which makes the whole set's accuracy,
+    # 0.60-0.74 there, a bar that float noise can cross). 0.7 on the 32 malformed pairs is 2.3
+    # standard deviations above chance (0.5); at step 0 the model ranked them 0.34.
+    malformed = sum(p["kind"] == "malformed" for p in pairs)
+    assert malformed_right / malformed > 0.7, (malformed_right, malformed)
+    assert accuracy > 0.5, accuracy
     scorer = LocalWorkerGroup(ClassWithInitArgs(RewardModelWorker, {"reward": {"model": {"path": str(run.dir / "hf")}}}))
     scorer.init_model()  # the RL recipes' scorer loads it (it refuses a directory without a trained head)
 
