@@ -26,6 +26,7 @@ import torch
 from rlcore.models.config import torch_dtype
 
 BACKENDS = ("hf", "vllm")
+CPU_WEIGHT_LAYOUTS = ("auto", "packed", "plain")  # rollout.cpu_weight_layout (rlcore.engines.vllm_worker)
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ class RolloutConfig:
             torch_dtype(self.dtype, "rollout.dtype")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"rollout.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.cpu_weight_layout not in ("auto", "packed", "plain"):
-            raise ValueError("rollout.cpu_weight_layout must be 'auto', 'packed' or 'plain', "
+        if self.cpu_weight_layout not in CPU_WEIGHT_LAYOUTS:
+            raise ValueError(f"rollout.cpu_weight_layout must be one of {CPU_WEIGHT_LAYOUTS}, "
                              f"got {self.cpu_weight_layout!r}")
         SamplingSettings.from_config(self)  # validates the sampling keys
 

@@ -8,7 +8,7 @@ then vLLM's own packing of each layer, or none where the layer runs on its plain
 ``rollout.cpu_weight_layout``), through vLLM's layerwise reload otherwise (HF names mapped
 onto fused q/k/v and gate/up parameters, cast to the engine's dtype; on the CPU build MoE experts
 prepacked again: ``repack_cpu_experts``). This module must not import anything heavy: vLLM
-imports it in its worker at start-up.
+imports it in its worker at start-up (``rlcore.engines``' own package imports are all it adds).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-LAYOUTS = ("auto", "packed", "plain")  # rollout.cpu_weight_layout
+from rlcore.engines.base import CPU_WEIGHT_LAYOUTS
+
 PLAIN_TOLERANCE = 1.05  # auto: a layer goes plain if that measures at most 5% slower than vLLM's packed kernel
 
 
@@ -214,8 +215,8 @@ class InPlacePlan:
         on its plain weight is packed again, or moved onto its plain weight as ``layout`` says
         (``auto``: as measured at a decode of ``decode_rows`` sequences; with 0, before the engine
         has decoded anything, it stays packed and is measured at a later update)."""
-        if layout not in LAYOUTS:
-            raise ValueError(f"rollout.cpu_weight_layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout not in CPU_WEIGHT_LAYOUTS:
+            raise ValueError(f"rollout.cpu_weight_layout must be one of {CPU_WEIGHT_LAYOUTS}, got {layout!r}")
         by_linear: dict[str, list] = {}
         to_process: list = []
         for name, tensor in named_tensors:

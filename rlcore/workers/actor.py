@@ -54,9 +54,9 @@ from rlcore.workers.fsdp_utils import (
     response_slice,
     setup_worker,
 )
-from rlcore.workers.precision import resolve_mixed_precision
 from rlcore.workers.lora import lora_scaling, merge_lora_tensors, trainable_parameters, wrap_lora
 from rlcore.workers.moe import MoEActor, micro_share
+from rlcore.workers.precision import resolve_mixed_precision
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 ROLES = ("actor", "ref")

@@ -40,7 +40,7 @@ def test_sections_are_read_typed_and_other_sections_left_alone():
     ({"dtype": "float8"}, r"section 'rollout': rollout\.dtype must be one of .*got 'float8'"),
     ({"gpu_memory_utilization": 0}, r"rollout\.gpu_memory_utilization must be in \(0, 1\]"),
     ({"stop": [""]}, r"rollout\.stop must be a string or a list of non-empty strings"),
-    ({"cpu_weight_layout": "flat"}, r"rollout\.cpu_weight_layout must be 'auto', 'packed' or 'plain', got 'flat'"),
+    ({"cpu_weight_layout": "flat"}, r"rollout\.cpu_weight_layout must be one of \('auto', 'packed', 'plain'\), got 'flat'"),
 ])
 def test_rollout_errors_name_the_key(section, expected):
     with pytest.raises(ConfigError, match=expected):
