@@ -37,7 +37,8 @@ def _model(path, arch: str, seed: int, tied: bool) -> str:
 
 
 def _matmul_weights(engine) -> list[int]:
-    """The data pointers of the engine's plain matmul weights (empty for packed layers)."""
+    """The data pointers of the weights the engine's matmul modules keep: plain linear layers keep
+    theirs, packed ones none; the embedding and LM head keep theirs either way."""
     def pointers(worker):
         return [m.weight.data_ptr() for m in worker.model_runner.get_model().modules()
                 if hasattr(m, "cpu_linear") and m.weight.numel()]
@@ -74,7 +75,7 @@ def test_in_place_update_gives_the_new_models_greedy_output(tmp_path, monkeypatc
     start_state = AutoModelForCausalLM.from_pretrained(start).state_dict()
     engine.load_weights(start_state)  # back to the start, in place: plain layers are copied into
     assert engine.last_sync_path == "in_place"
-    assert _matmul_weights(engine) == plain_weights  # the same tensors where plain (none where packed)
+    assert _matmul_weights(engine) == plain_weights  # updated in the very same tensors
     # Part of a fused layer (q without k and v) through vLLM's loader, which leaves the rest as it is
     # and packs the layers it rebuilt again (the plan then places everything afresh).
     partial = [(n, t) for n, t in start_state.items() if ".q_proj." in n]
