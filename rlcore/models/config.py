@@ -22,7 +22,7 @@ def torch_dtype(name: str, what: str = "dtype") -> torch.dtype:
 class ModelConfig:
     """The checkpoint every role starts from. The device is ``trainer.device``, the one device setting of a run."""
 
-    path: str | None = None  # a local HF directory; null in the recipes: their built-in warm start
+    path: str | None = None  # a local HF directory, a .gguf file or "smollm2" (converted once); null in the recipes: their built-in warm start
     dtype: str = "float32"  # parameter dtype of the trained roles (and of the HF rollout, unless rollout.dtype)
     gradient_checkpointing: bool = False  # recompute activations in backward (training roles)
     mixed_precision: str | None = None  # "bfloat16": FSDP2 computes in bf16, parameters and reduction stay float32; "auto": bf16 where measured faster
