@@ -36,8 +36,7 @@ from transformers import AutoModelForCausalLM
 from rlcore.algos.importance import compute_is_weights
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.losses import LossScale, PolicyLossInput, agg_loss, get_policy_loss
-from rlcore.algos.sampling import filter_logits
-from rlcore.algos.stats import entropy_from_logits, logprobs_from_logits, masked_mean
+from rlcore.algos.stats import masked_mean
 from rlcore.models.config import ModelConfig, torch_dtype
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, register
@@ -51,12 +50,12 @@ from rlcore.workers.fsdp_utils import (
     build_optimizer,
     forward_micro_batches,
     mixed_precision_policy,
-    response_slice,
     setup_worker,
 )
 from rlcore.workers.lora import lora_scaling, merge_lora_tensors, trainable_parameters, wrap_lora
 from rlcore.workers.moe import MoEActor, micro_share
 from rlcore.workers.precision import resolve_mixed_precision
+from rlcore.workers.response_head import install_response_head, scored_positions
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 ROLES = ("actor", "ref")
@@ -81,6 +80,7 @@ class ActorWorker(FSDPTrainWorker):
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), dtype=torch_dtype(model_cfg.dtype))
+        self.head = install_response_head(model, self.train_cfg.logits_chunk_mb)  # scores tokens without (B, T, V) logits
         # MoE: frozen routers (actor only) and router-replay hooks; None for a dense model
         self.moe = MoEActor.build(model, self.role == "actor" and self.train_cfg.freeze_router, self.train_cfg.router_replay)
         if self.role == "ref":
@@ -97,31 +97,33 @@ class ActorWorker(FSDPTrainWorker):
 
     # ------------------------------------------------------------------ forward
     def _forward(self, micro: DataProto) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs of the response tokens and the logits that scored them, both (B, T_r[, V])."""
+        """Log-probs of the response tokens and the entropies of the distributions they were drawn
+        from, both (B, T_r) in fp32 (PPO ratios of bf16 log-probs would be noise). The logits are
+        divided by the sampler's temperature and cut by its top-k / top-p (``rlcore.algos.sampling``:
+        its log-probs are of the truncated distribution), and computed in chunks inside the head,
+        never for every position at once (``rlcore.workers.response_head``)."""
         b = micro.batch
         moe_kwargs = {}
         if self.moe is not None:
             self.moe.before_forward(micro)  # router replay: this micro-batch's recorded experts
             moe_kwargs["output_router_logits"] = True
-        out = self.module(
-            input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"], use_cache=False,
-            **moe_kwargs,
-        )
+        responses, meta = b["responses"], micro.meta_info
+        keep = scored_positions(b["input_ids"].shape[1], responses.shape[1], responses.device)
+        with self.head.scoring(responses, meta.get("temperature", 1.0), meta.get("top_k", 0), meta.get("top_p", 1.0)):
+            out = self.module(
+                input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
+                use_cache=False, logits_to_keep=keep, **moe_kwargs,
+            )
         self._router_logits = out.router_logits if self.moe is not None else None  # for _loss's MoE terms
-        logits = out.logits
-        # fp32 for the log-softmax: PPO ratios of bf16 log-probs would be noise
-        logits = response_slice(logits, b["responses"].shape[1]).float() / micro.meta_info.get("temperature", 1.0)
-        # the sampler's top-k / top-p too (rlcore.algos.sampling): its log-probs are of the truncated distribution
-        logits = filter_logits(logits, micro.meta_info.get("top_k", 0), micro.meta_info.get("top_p", 1.0), b["responses"])
-        return logprobs_from_logits(logits, b["responses"]), logits
+        return out.logits[..., 0], out.logits[..., 1]
 
     def _infer(self, data: DataProto) -> dict[str, torch.Tensor]:
         data = data.select(batch_keys=INPUT_KEYS + self._moe_keys(data))
         self.module.eval()
 
         def step(micro: DataProto) -> dict[str, torch.Tensor]:
-            log_prob, logits = self._forward(micro)
-            return {"log_prob": log_prob, "entropy": entropy_from_logits(logits)}
+            log_prob, entropy = self._forward(micro)
+            return {"log_prob": log_prob, "entropy": entropy}
 
         return forward_micro_batches(self.module, data, self.micro_batches(data), self.device, step)
 
@@ -212,7 +214,7 @@ class ActorWorker(FSDPTrainWorker):
         make it DP-invariant."""
         cfg, b = self.train_cfg, micro.batch
         mask = b["response_mask"]
-        log_prob, logits = self._forward(micro)
+        log_prob, entropy = self._forward(micro)
         # No old_log_probs: a single-step update (see update_policy), whose own log-probs are the old ones.
         old_log_prob = b["old_log_probs"] if "old_log_probs" in b.keys() else log_prob.detach()
         metrics: dict[str, float] = {}
@@ -228,11 +230,7 @@ class ActorWorker(FSDPTrainWorker):
         loss, pg_metrics = self.policy_loss_fn(inputs, cfg)
         metrics.update(pg_metrics)
         if cfg.entropy_coeff:
-            entropy = entropy_from_logits(logits)
             loss = loss - cfg.entropy_coeff * agg_loss(entropy, mask, cfg.loss_agg_mode, scale)
-        else:
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits)
         metrics["entropy"] = float(masked_mean(entropy.detach(), mask))
         if cfg.use_kl_loss:
             kl = kl_penalty(log_prob, b["ref_log_prob"], cfg.kl_loss_type)

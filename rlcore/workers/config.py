@@ -108,6 +108,7 @@ class ActorConfig(TrainConfig, PolicyLossConfig):
     """The ``actor`` section: the policy's optimisation, its loss and the loss's extra terms."""
 
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
+    logits_chunk_mb: float = 64.0  # log-probs / entropy from the LM head this many MiB of fp32 logits at a time (rlcore.algos.token_scores)
     skip_zero_advantage_rows: bool = True  # rows whose advantages are all 0 skip forward/backward where their gradient is exactly 0
     use_kl_loss: bool = False  # loss += kl_loss_coef * KL(pi || ref) (needs ref_log_prob: the ref role)
     kl_loss_coef: float = 0.001  # weight of that KL term in the loss
@@ -127,6 +128,8 @@ class ActorConfig(TrainConfig, PolicyLossConfig):
     def __post_init__(self) -> None:
         TrainConfig.__post_init__(self)
         PolicyLossConfig.__post_init__(self)
+        if self.logits_chunk_mb <= 0:
+            raise ValueError(f"logits_chunk_mb must be > 0, got {self.logits_chunk_mb}")
         if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
             raise ValueError(f"moe_aux_loss_coef and moe_z_loss_coef must be >= 0, got "
                              f"{self.moe_aux_loss_coef}, {self.moe_z_loss_coef}")

@@ -1,0 +1,79 @@
+"""rlcore.algos.token_scores: chunked log-probs and entropy equal the full-logits computation, in value
+and gradient, and never hold more than one chunk of logits."""
+
+import pytest
+import torch
+
+from rlcore.algos.sampling import filter_logits
+from rlcore.algos.stats import entropy_from_logits, logprobs_from_logits
+from rlcore.algos.token_scores import chunk_tokens_for, token_log_probs_and_entropy
+
+
+def _full(hidden, weight, bias, labels, temperature, top_k, top_p):
+    logits = filter_logits((hidden @ weight.T + bias).float() / temperature, top_k, top_p, labels)
+    return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (7, 0.9)])
+@pytest.mark.parametrize("chunk", [1, 3, 7, 100])
+def test_chunks_equal_the_full_logits_in_value_and_gradient(chunk, top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 5), generator=g)
+    ref_lp, ref_ent = _full(hidden, weight, bias, labels, 0.7, top_k, top_p)
+    (ref_lp.sum() + 0.3 * ref_ent.sum()).backward()
+    ref_grads = [t.grad.clone() for t in (hidden, weight, bias)]
+    for t in (hidden, weight, bias):
+        t.grad = None
+    lp, ent = token_log_probs_and_entropy(hidden, weight, labels, bias=bias, temperature=0.7, top_k=top_k,
+                                          top_p=top_p, chunk_tokens=chunk)
+    assert lp.shape == ent.shape == labels.shape and lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ref_lp.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, ref_ent.float(), rtol=0, atol=1e-6)
+    (lp.sum() + 0.3 * ent.sum()).backward()
+    for name, t, ref in zip(("hidden", "weight", "bias"), (hidden, weight, bias), ref_grads):
+        torch.testing.assert_close(t.grad, ref, rtol=1e-5, atol=1e-5, msg=f"grad of {name}")
+
+
+def test_hand_values():
+    # V=2, one position: logits (0, log 3) -> p = (1/4, 3/4)
+    hidden = torch.tensor([[1.0, 0.0]])
+    weight = torch.tensor([[0.0, 0.0], [torch.log(torch.tensor(3.0)), 0.0]])
+    lp, ent = token_log_probs_and_entropy(hidden, weight, torch.tensor([1]))
+    torch.testing.assert_close(lp, torch.log(torch.tensor([0.75])))
+    torch.testing.assert_close(ent, torch.tensor([-(0.25 * torch.log(torch.tensor(0.25)) + 0.75 * torch.log(torch.tensor(0.75)))]))
+
+
+def test_no_grad_path_and_chunk_sizes():
+    assert chunk_tokens_for(49152, 64) == 341  # SmolLM2's vocabulary: 341 positions make 64 MiB of fp32 logits
+    assert chunk_tokens_for(66, 64) > 100_000 and chunk_tokens_for(10**9, 1) == 1
+    hidden, weight = torch.randn(4, 6, 8), torch.randn(30, 8)
+    labels = torch.randint(0, 30, (4, 6))
+    with torch.no_grad():
+        lp, _ = token_log_probs_and_entropy(hidden, weight, labels, chunk_tokens=5)
+    assert not lp.requires_grad
+    with pytest.raises(ValueError, match="must agree"):
+        token_log_probs_and_entropy(hidden, weight, labels[:, :3])
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        token_log_probs_and_entropy(hidden, weight, labels, chunk_tokens=0)
+
+
+def test_backward_keeps_no_chunk_of_logits():
+    """What autograd saves for the backward: the inputs only, no (positions, V) tensor."""
+    hidden = torch.randn(64, 16, requires_grad=True)
+    weight = torch.randn(4096, 16, requires_grad=True)
+    labels = torch.randint(0, 4096, (64,))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        lp, ent = token_log_probs_and_entropy(hidden, weight, labels, chunk_tokens=8)
+    assert saved and max(saved) <= weight.numel()  # the weight itself; never 8 x 4096 logits or more
+    assert all(n != 8 * 4096 for n in saved)
+    (lp.sum() + ent.sum()).backward()
+    assert hidden.grad is not None and weight.grad is not None
