@@ -1,12 +1,11 @@
 """Generation with Hugging Face ``generate``: the reference engine (slow, simple, exact).
 
-Log-probs: ``generate(output_scores=True)`` returns, per step, the scores after every logits
-processor, i.e. ``logits / temperature`` with top-k and then top-p filtered tokens at -inf. Their
+Log-probs: a last logits processor (``_LogProbRecorder``) sees, per step, the scores after every
+other processor, i.e. ``logits / temperature`` with top-k and then top-p filtered tokens at -inf. Their
 ``log_softmax`` at the sampled token is the log-probability under the distribution the token was
 actually drawn from ("processed" log-probs, the same quantity vLLM reports with
 ``logprobs_mode="processed_logprobs"``). Greedy decoding applies no warper, so its log-probs are
-those of the raw ``softmax(logits)``. HF keeps every step's (B, vocab) scores until ``generate``
-returns: fine for the small vocabularies this backend is meant for.
+those of the raw ``softmax(logits)``. Only one step's (B, vocab) scores are held at a time.
 
 Stopping: one stopping criterion handles eos / ``stop_token_ids`` / ``stop`` strings and records the
 step at which each row stopped, so the response lengths come from generation itself, not from
@@ -24,7 +23,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
 from rlcore.engines.routing import assemble_hf_routing
@@ -55,6 +65,42 @@ class _StopRecorder(StoppingCriteria):
                 done[row] = any(s in text for s in self.stop_strings)
         self.lengths[running & done] = step
         return (~(self.lengths < 0)).to(input_ids.device)
+
+
+class _LogProbRecorder(LogitsProcessor):
+    """The sampled tokens' log-probs (and top log-probs), step by step, holding one step's scores.
+
+    Passed to ``generate`` as the last logits processor, it sees each step's scores after the
+    temperature / top-k / top-p warpers: the distribution the next token is drawn from. That token
+    is known at the next call (the last column of ``input_ids``), or for the last step from the
+    finished sequences (``finish``). ``output_scores=True`` would keep every step's (B, vocab)
+    scores until ``generate`` returns: at a real vocabulary (49k) and 128 steps of 128 rows, 3.2 GB.
+    """
+
+    def __init__(self, top_logprobs: int) -> None:
+        self.top_logprobs = top_logprobs
+        self.log_probs: list[torch.Tensor] = []  # per finished step, (B,)
+        self.top: list[tuple[torch.Tensor, torch.Tensor]] = []  # per step, ((B, k) ids, (B, k) log-probs)
+        self._last: torch.Tensor | None = None  # the latest step's (B, vocab) log-probs
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if self._last is not None:
+            self._take(input_ids[:, -1])
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        if self.top_logprobs:
+            values, ids = self._last.topk(self.top_logprobs, dim=-1)
+            self.top.append((ids, values))
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        self.log_probs.append(self._last.gather(-1, tokens[:, None]).squeeze(-1))
+        self._last = None
+
+    def finish(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, steps) log-probs, given the generated tokens (B, steps)."""
+        if self._last is not None:
+            self._take(tokens[:, len(self.log_probs)])
+        return torch.stack(self.log_probs, dim=1) if self.log_probs else tokens.new_zeros(tokens.shape, dtype=torch.float32)
 
 
 class _RngStream:
@@ -123,16 +169,19 @@ class HFEngine(Engine):
         bsz, prompt_len = input_ids.shape
         stop_ids = self.stop_token_ids(settings)
         recorder = _StopRecorder(prompt_len, bsz, stop_ids, settings.stop, self.tokenizer, self.device)
-        # top_k=0 disables the filter; left unset, HF would fill in its default of 50.
-        warpers = {} if settings.greedy else dict(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+        # The warpers are ours, in HF's order (temperature, top-k, top-p), so that the log-prob recorder
+        # can run after them: HF puts a caller's processors before its own warpers. The config then
+        # asks for none (temperature 1, top_k 0: left unset, HF would fill in its default of 50).
+        scores = _LogProbRecorder(settings.top_logprobs)
+        processors = LogitsProcessorList([] if settings.greedy else _warpers(settings))
+        processors.append(scores)
         config = GenerationConfig(
             do_sample=not settings.greedy,
-            **warpers,
+            temperature=1.0, top_k=0, top_p=1.0,
             max_new_tokens=settings.max_new_tokens,
             eos_token_id=stop_ids or None,
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=True,
-            output_scores=True,
         )
         seeded = settings.seed is not None and not settings.greedy
         routing = RoutingRecorder(self.model) if self.record_routing else None
@@ -145,23 +194,21 @@ class HFEngine(Engine):
                 position_ids=position_ids.to(self.device),
                 generation_config=config,
                 stopping_criteria=StoppingCriteriaList([recorder]),
+                logits_processor=processors,
             )
         finally:
             if routing is not None:
                 routing.remove()
         tokens = out.sequences[:, prompt_len:]
         steps = tokens.shape[1]
-        step_log_probs = [torch.log_softmax(s.float(), dim=-1) for s in out.scores]
-        log_probs = torch.stack([lp.gather(-1, tokens[:, t : t + 1]).squeeze(-1)
-                                 for t, lp in enumerate(step_log_probs)], dim=1)
+        log_probs = scores.finish(tokens)
         lengths = torch.where(recorder.lengths < 0, steps, recorder.lengths)
         width = settings.max_new_tokens
         top_ids = top_log_probs = None
         if settings.top_logprobs:
-            top = [lp.topk(settings.top_logprobs, dim=-1) for lp in step_log_probs]
             pad = (0, 0, 0, width - steps)
-            top_ids = torch.nn.functional.pad(torch.stack([t.indices for t in top], 1).cpu(), pad, value=self.pad_token_id)
-            top_log_probs = torch.nn.functional.pad(torch.stack([t.values for t in top], 1).cpu(), pad, value=0.0)
+            top_ids = torch.nn.functional.pad(torch.stack([i for i, _ in scores.top], 1).cpu(), pad, value=self.pad_token_id)
+            top_log_probs = torch.nn.functional.pad(torch.stack([v for _, v in scores.top], 1).cpu(), pad, value=0.0)
         return Generation(
             responses=torch.nn.functional.pad(tokens.cpu(), (0, width - steps), value=self.pad_token_id),
             lengths=lengths,
@@ -184,6 +231,18 @@ class HFEngine(Engine):
             if name not in params:
                 raise KeyError(f"{name!r} is not a parameter of the rollout model")
             params[name].copy_(tensor)
+
+
+def _warpers(settings: SamplingSettings) -> list[LogitsProcessor]:
+    """HF's sampling warpers for ``settings``, as ``generate`` itself would build them."""
+    warpers: list[LogitsProcessor] = []
+    if settings.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(settings.temperature))
+    if settings.top_k and settings.top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k=settings.top_k, min_tokens_to_keep=1))
+    if settings.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=settings.top_p, min_tokens_to_keep=1))
+    return warpers
 
 
 def _as_list(value) -> list[int]:
