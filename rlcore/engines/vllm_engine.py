@@ -45,6 +45,8 @@ from rlcore.engines.seeding import CallSeeds, derive_seed
 from rlcore.engines.vllm_worker import drop_dense_parallel_groups, in_place_plan, reload_weights
 from rlcore.models.config import ModelConfig, torch_dtype
 
+WHOLE_PROMPT_BUDGET = 4096  # tokens per engine step on CPU (vLLM's default there), raised to max_model_len
+
 
 class VLLMEngine(Engine):
     """``device`` is vLLM's own choice (the platform it was built for); the argument is accepted for
@@ -58,6 +60,13 @@ class VLLMEngine(Engine):
         if getattr(hf_config, "num_experts_per_tok", None):
             drop_dense_parallel_groups()
         engine_kwargs = {}
+        if torch.device(device).type == "cpu":
+            # A seeded request (one generator per row, see sampling_params) whose prompt is prefilled in
+            # chunks crashes vLLM's CPU build: the step that only prefills rewinds the row's generator,
+            # which a CPU generator cannot ("CPU Generator does not use offset"). Prompts of real chat
+            # models (~50+ tokens x 128 rows) pass the 4096-token step budget, so: whole prompts only.
+            longest = rollout_cfg.max_model_len or hf_config.max_position_embeddings
+            engine_kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(WHOLE_PROMPT_BUDGET, longest))
         if rollout_cfg.kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
         self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
