@@ -19,6 +19,7 @@ _MAX_EXPONENT = 100
 _NUMBER = r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?"
 _GSM8K_FINAL = re.compile(r"####\s*\$?\s*(" + _NUMBER + r")")
 _ANY_NUMBER = re.compile(_NUMBER)
+_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*\$?\s*(" + _NUMBER + r")", re.IGNORECASE)
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _ANSWER_LINE = re.compile(r"^[ \t]*answer[ \t]*:[ \t]*(\S.*?)[ \t]*$", re.IGNORECASE | re.MULTILINE)
 _DECIMAL = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:e[-+]?\d+)?")
@@ -86,6 +87,12 @@ def extract_last_number(text: str) -> str | None:
     """The last number in the text ('1,234.5' -> '1234.5'); a sentence's full stop is not kept."""
     found = _ANY_NUMBER.findall(text)
     return found[-1].replace(",", "") if found else None
+
+
+def extract_final_number(text: str) -> str | None:
+    """The number after the last "answer is" ("The answer is 42."), else the text's last number."""
+    found = _ANSWER_IS.findall(text)
+    return found[-1].replace(",", "") if found else extract_last_number(text)
 
 
 def normalize_answer(s: str) -> str:

@@ -33,6 +33,7 @@ from rlcore.registry import Registry
 from rlcore.rewards.math_answers import (
     answers_equal,
     extract_boxed,
+    extract_final_number,
     extract_gsm8k_answer,
     extract_last_number,
     extract_math_answer,
@@ -137,6 +138,21 @@ def gsm8k_reward(response: str, ground_truth: str, *, method: str = "strict",
     ground_truth = str(ground_truth)  # a parquet column of numbers: 72, not "72"
     truth = extract_gsm8k_answer(ground_truth) or ground_truth
     return 1.0 if answers_equal(answer, truth) else format_score
+
+
+@register_reward_fn("final_number")
+@register_reward_fn("arithmetic_words")
+@register_reward_fn("multi_step")
+def final_number_reward(response: str, ground_truth: str, **extra) -> float:
+    """1.0 when the response's final number (after the last "answer is", else its last number) equals
+    the ground truth by value; 0.0 otherwise or without a number.
+
+    The checker of the word-problem tasks (rlcore.data.word_problems) a real chat model is trained
+    on: lenient about form ("59+63 is 122.", "The answer is 122.", "122"), so what it rewards is the
+    right number, not a format the model was never taught.
+    """
+    answer = extract_final_number(response)
+    return 1.0 if answer is not None and answers_equal(answer, str(ground_truth)) else 0.0
 
 
 @register_reward_fn("math")

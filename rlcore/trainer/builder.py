@@ -41,6 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlcore import single_controller
 from rlcore.data.arithmetic import make_split, write_jsonl
 from rlcore.data.dataset import PromptDataset, PromptLoader, collate_prompts
+from rlcore.data.word_problems import make_word_problems
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
 from rlcore.trainer.config import to_worker_config
@@ -243,28 +244,34 @@ def _placed_group(cfg: DictConfig, worker: Any, suffix: str = "") -> tuple[Worke
 
 
 # ----------------------------------------------------------------------------- data
-def _arithmetic_files(cfg: DictConfig) -> tuple[str, str]:
-    """The arithmetic train/val split of ``data.arithmetic``, written once per setting."""
-    spec = OmegaConf.to_container(cfg.data.arithmetic)
+def _generated_files(cfg: DictConfig) -> tuple[str, str]:
+    """The train/val split of the generated task ``data.task`` (its ``data.arithmetic`` or
+    ``data.word_problems`` settings), written once per setting under ``<trainer.output_dir>/data/``."""
+    task = cfg.data.task
+    spec = OmegaConf.to_container(cfg.data.arithmetic if task == "arithmetic" else cfg.data.word_problems)
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
-    folder = Path(cfg.trainer.output_dir) / "data" / f"arithmetic-{key}"
+    folder = Path(cfg.trainer.output_dir) / "data" / f"{task}-{key}"
     train, val = folder / "train.jsonl", folder / "val.jsonl"
     if not (train.exists() and val.exists()):
-        rows_train, rows_val = make_split(spec["n_train"], spec["n_val"], spec["seed"], max_operand=spec["max_operand"],
-                                          ops=spec["ops"])
+        if task == "arithmetic":
+            rows_train, rows_val = make_split(spec["n_train"], spec["n_val"], spec["seed"],
+                                              max_operand=spec["max_operand"], ops=spec["ops"])
+        else:
+            rows = make_word_problems(task, spec["n_train"] + spec["n_val"], spec["seed"])
+            rows_train, rows_val = rows[:spec["n_train"]], rows[spec["n_train"]:]
         write_jsonl(train, rows_train)
         write_jsonl(val, rows_val)
     return str(train), str(val)
 
 
 def data_files(cfg: DictConfig) -> tuple[Any, Any]:
-    """(train files, val files) of a config: the given ones, or the arithmetic task's."""
+    """(train files, val files) of a config: the given ones, or the generated task's (``data.task``)."""
     d = cfg.data
     if d.train_files is None:
         if d.val_files is not None:
             raise ValueError("data.val_files is set but data.train_files is not: give both, or neither for the "
-                             "built-in arithmetic task")
-        return _arithmetic_files(cfg)
+                             "generated task of data.task")
+        return _generated_files(cfg)
     if d.val_files is None:
         raise ValueError("data.val_files is required when data.train_files is set")
     return _listed(d.train_files), _listed(d.val_files)

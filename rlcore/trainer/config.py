@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from rlcore.engines.base import RolloutConfig
 from rlcore.models.config import ModelConfig, TinyModelConfig
+from rlcore.models.gguf import resolve_model_path
 from rlcore.rewards.manager import RewardConfig
 from rlcore.typed_config import ConfigError, merge_section, section_schema, to_section
 from rlcore.workers.config import ActorConfig, CriticConfig
@@ -102,10 +103,23 @@ class ArithmeticConfig:
     seed: int = 0
 
 
+GENERATED_TASKS = ("arithmetic", "arithmetic_words", "multi_step")
+
+
+@dataclass
+class WordProblemsConfig:
+    """The chat tasks written for ``data.task=arithmetic_words`` / ``multi_step`` (``rlcore.data.word_problems``)."""
+
+    n_train: int = 4000
+    n_val: int = 200  # the held-out split greedy validation reports
+    seed: int = 0
+
+
 @dataclass
 class DataConfig:
-    train_files: Any = None  # a path or list of paths (.jsonl/.parquet); None: the arithmetic task
-    val_files: Any = None  # same; None with train_files None: the arithmetic validation split
+    train_files: Any = None  # a path or list of paths (.jsonl/.parquet); None: the generated task of data.task
+    val_files: Any = None  # same; None with train_files None: that task's validation split
+    task: str = "arithmetic"  # generated when no files: "arithmetic" (a+b=, tiny model), "arithmetic_words" or "multi_step" (chat models)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
     max_prompt_length: int = 64  # longer prompts are dropped (and counted) when loading
@@ -115,6 +129,11 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 0  # shuffling order; epoch e is a pure function of (seed, e)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    word_problems: WordProblemsConfig = field(default_factory=WordProblemsConfig)
+
+    def __post_init__(self) -> None:
+        if self.task not in GENERATED_TASKS:
+            raise ValueError(f"data.task must be one of {GENERATED_TASKS}, got {self.task!r}")
 
 
 @dataclass
@@ -311,6 +330,7 @@ def load_config(cfg: DictConfig | Mapping, sections: Sequence[str]) -> DictConfi
     OmegaConf.set_struct(out, True)
     if "model" in sections and out.model.path is not None:
         try:
+            out.model.path = resolve_model_path(out.model.path)  # a .gguf file or "smollm2": its HF directory
             ModelConfig(path=out.model.path).require_local_dir()
         except FileNotFoundError as exc:
             raise ConfigError(f"model.path: {exc}") from None

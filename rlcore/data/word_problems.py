@@ -1,0 +1,148 @@
+"""Tasks for a real chat model, written locally: arithmetic asked in words, and GSM8K-style
+multi-step word problems.
+
+Why generated: nothing can be downloaded here, and a task made from templates has exact answers,
+any size and a held-out split that shares no question with the training one. Both are meant for a
+small pretrained instruct model (SmolLM2-135M-Instruct gets roughly 15-40% of them right greedily,
+depending on the task): hard enough that RL has something to improve, easy enough that sampling
+finds right answers.
+
+- ``arithmetic_words``: one operation asked in a sentence, several phrasings ("What is 17 plus
+  25?", "Subtract 18 from 43.", "What is 6 times 7?"), operands up to 30 (products up to 10 x 10).
+- ``multi_step``: two or three operations in a short story ("Mia has 12 apples. She buys 3 bags
+  with 4 apples in each bag. How many apples does she have now?"), results never negative.
+
+A row is ``{"prompt": [chat messages], "answer": "42", "data_source": ...}``: the prompt goes
+through the policy's own chat template (``PromptDataset``), the answer is an integer string, and
+both data sources are scored by the ``final_number`` reward (``rlcore.rewards.registry``: the
+number after "answer is", else the response's last number). The instruction in the user message
+says which form is wanted (``instruction``); it is part of the task, so the same checker scores
+a model that follows it and one that does not.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+from rlcore.data.arithmetic import write_jsonl
+
+ARITHMETIC_WORDS = "arithmetic_words"
+MULTI_STEP = "multi_step"
+TASKS = (ARITHMETIC_WORDS, MULTI_STEP)
+INSTRUCTIONS = {
+    ARITHMETIC_WORDS: "Answer with the number only.",
+    MULTI_STEP: "Give the final answer as a number at the end, like this: The answer is 7.",
+}
+
+_NAMES = ("Mia", "Tom", "Ava", "Leo", "Zoe", "Sam", "Eli", "Ivy", "Max", "Lily", "Noah", "Emma", "Ben", "Ruby")
+_HE_SHE = {"Mia": "She", "Ava": "She", "Zoe": "She", "Ivy": "She", "Lily": "She", "Emma": "She", "Ruby": "She"}
+_ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "cards", "stamps", "shells", "coins")
+
+
+def _pronoun(name: str) -> str:
+    return _HE_SHE.get(name, "He")
+
+
+def _words_problem(rng: random.Random) -> tuple[str, int]:
+    op = rng.choice("+-*")
+    if op == "*":
+        a, b = rng.randint(2, 10), rng.randint(2, 10)
+        forms = ("What is {a} times {b}?", "What is {a} multiplied by {b}?", "What is the product of {a} and {b}?")
+        return rng.choice(forms).format(a=a, b=b), a * b
+    a, b = rng.randint(1, 30), rng.randint(1, 30)
+    if op == "+":
+        forms = ("What is {a} plus {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
+                 "What do you get when you add {b} to {a}?")
+        return rng.choice(forms).format(a=a, b=b), a + b
+    a, b = max(a, b), min(a, b)
+    forms = ("What is {a} minus {b}?", "Subtract {b} from {a}.", "What is {a} take away {b}?",
+             "What is the difference between {a} and {b}?")
+    return rng.choice(forms).format(a=a, b=b), a - b
+
+
+def _story_buy(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, b, c = rng.randint(2, 20), rng.randint(2, 5), rng.randint(2, 5)
+    return (f"{name} has {a} {item}. {_pronoun(name)} buys {b} bags with {c} {item} in each bag. "
+            f"How many {item} does {name} have now?", a + b * c)
+
+
+def _story_spend(rng: random.Random) -> tuple[str, int]:
+    name = rng.choice(_NAMES)
+    b, c = rng.randint(1, 15), rng.randint(1, 15)
+    a = b + c + rng.randint(0, 20)
+    return (f"{name} had {a} dollars. {_pronoun(name)} spent {b} dollars on lunch and {c} dollars on a book. "
+            f"How many dollars does {name} have left?", a - b - c)
+
+
+def _story_boxes(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, b, c = rng.randint(2, 10), rng.randint(2, 5), rng.randint(1, 9)
+    return (f"{name} puts {a} {item} in each box. {_pronoun(name)} fills {b} boxes and has {c} {item} left over. "
+            f"How many {item} did {name} have?", a * b + c)
+
+
+def _story_pages(rng: random.Random) -> tuple[str, int]:
+    name = rng.choice(_NAMES)
+    a, b, c = rng.randint(2, 10), rng.randint(2, 5), rng.randint(1, 10)
+    return (f"{name} reads {a} pages every day for {b} days, and then {c} more pages. "
+            f"How many pages does {name} read in all?", a * b + c)
+
+
+def _story_class(rng: random.Random) -> tuple[str, int]:
+    a = rng.randint(6, 20)
+    b, c = rng.randint(1, a - 1), rng.randint(2, 4)
+    return (f"There are {a} children in a class. {b} of them are boys. Each girl has {c} pencils. "
+            f"How many pencils do the girls have?", (a - b) * c)
+
+
+def _story_share(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    each, friends, extra = rng.randint(2, 6), rng.randint(2, 5), rng.randint(1, 10)
+    a = each * friends
+    return (f"{name} has {a} {item} and shares them equally among {friends} friends. Then each friend gets "
+            f"{extra} more {item}. How many {item} does each friend have?", each + extra)
+
+
+def _story_wage(rng: random.Random) -> tuple[str, int]:
+    name = rng.choice(_NAMES)
+    a, b = rng.randint(2, 10), rng.randint(2, 5)
+    c = rng.randint(1, a * b - 1)
+    return (f"{name} earns {a} dollars an hour and works for {b} hours. Then {_pronoun(name).lower()} pays "
+            f"{c} dollars for a ticket. How many dollars does {name} have left?", a * b - c)
+
+
+_STORIES: tuple[Callable[[random.Random], tuple[str, int]], ...] = (
+    _story_buy, _story_spend, _story_boxes, _story_pages, _story_class, _story_share, _story_wage)
+
+
+def make_word_problems(task: str, n: int, seed: int) -> list[dict]:
+    """``n`` distinct problems of ``task`` (``arithmetic_words`` or ``multi_step``), the same for the same seed."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    draw = _words_problem if task == ARITHMETIC_WORDS else (lambda r: r.choice(_STORIES)(r))
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    rows: list[dict] = []
+    attempts = 0
+    while len(rows) < n:
+        attempts += 1
+        if attempts > 50 * n + 1000:
+            raise ValueError(f"cannot draw {n} distinct {task} problems (found {len(rows)})")
+        question, answer = draw(rng)
+        if question in seen:
+            continue
+        seen.add(question)
+        content = f"{question} {INSTRUCTIONS[task]}"
+        rows.append({"prompt": [{"role": "user", "content": content}], "answer": str(answer), "data_source": task})
+    return rows
+
+
+def write_word_problems(out_dir: str | Path, task: str, n_train: int, n_val: int, seed: int = 0) -> tuple[Path, Path]:
+    """``<out_dir>/<task>_train.jsonl`` and ``_val.jsonl``: disjoint splits of one draw."""
+    rows = make_word_problems(task, n_train + n_val, seed)
+    out_dir = Path(out_dir)
+    return (write_jsonl(out_dir / f"{task}_train.jsonl", rows[:n_train]),
+            write_jsonl(out_dir / f"{task}_val.jsonl", rows[n_train:]))
