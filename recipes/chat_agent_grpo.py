@@ -30,7 +30,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from rlcore.agentic import start_runners
-from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
+from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec, load_agent
 from rlcore.agentic.chat_proxy import ChatProxyConfig
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
@@ -43,11 +43,13 @@ register_schema("chat_agent_grpo_schema", SECTIONS)
 def train(cfg: DictConfig) -> TrainingRun:
     cfg = load_config(cfg, SECTIONS)
     a, g = cfg.agentic, cfg.agent
+    agent_kwargs = OmegaConf.to_container(g.kwargs)
+    load_agent(g.path, agent_kwargs)  # a bad agent.path or agent.kwargs fail now, before the warm start or an engine
 
     def agent_runners(engines, sampling):
         proxy = ChatProxyConfig(max_request_bytes=g.max_request_bytes, max_n=g.max_n,
                                 request_timeout_s=g.request_timeout_s)
-        spec = ChatAgentSpec(g.path, cfg.model.path, sampling, OmegaConf.to_container(g.kwargs), g.max_total_tokens,
+        spec = ChatAgentSpec(g.path, cfg.model.path, sampling, agent_kwargs, g.max_total_tokens,
                              g.episode_timeout_s, proxy)
         return start_runners(a.num_runners, spec, engines, num_cpus=a.cpus_per_runner, runner_cls=ChatAgentRunner)
 

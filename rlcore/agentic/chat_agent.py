@@ -78,8 +78,9 @@ class ChatAgent:
         raise NotImplementedError
 
 
-def load_agent(path: str) -> type:
-    """The agent class at ``file.py:Class`` or ``package.module:Class``."""
+def load_agent(path: str, kwargs: Mapping[str, Any] | None = None) -> type:
+    """The agent class at ``file.py:Class`` or ``package.module:Class``; with ``kwargs``, also checks
+    that its constructor takes them (``check_agent_kwargs``)."""
     where, sep, name = path.rpartition(":")
     if not sep or not where or not name:
         raise ValueError(f"agent must be 'path/to/file.py:ClassName' or 'package.module:ClassName', got {path!r}")
@@ -94,7 +95,33 @@ def load_agent(path: str) -> type:
     cls = getattr(module, name, None)
     if cls is None or not callable(getattr(cls, "run", None)):
         raise ValueError(f"{path!r}: no class {name!r} with a run(ctx) method in {where}")
+    if kwargs is not None:
+        check_agent_kwargs(cls, kwargs, path)
     return cls
+
+
+def check_agent_kwargs(cls: type, kwargs: Mapping[str, Any], path: str) -> None:
+    """A ``TypeError`` naming ``agent.kwargs``, the keys and the class unless ``cls(**kwargs)`` binds:
+    raised in the driver, before any engine starts, not in the first episode of a runner actor."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no signature to read (a C extension type): the first episode tells
+        return
+    try:
+        signature.bind(**kwargs)
+    except TypeError as exc:
+        params = signature.parameters.values()
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        unknown = [] if takes_any else sorted(set(kwargs) - names)
+        missing = sorted(p.name for p in params if p.default is p.empty and p.name not in kwargs
+                         and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+        what = (f"has keys {unknown} that it does not take" if unknown
+                else f"lacks its required argument(s) {missing}" if missing else f"does not bind ({exc})")
+        raise TypeError(f"agent.kwargs {dict(kwargs)!r} {what}: the agent class {cls.__qualname__} "
+                        f"({path}) is constructed as {cls.__qualname__}{signature}, once per episode. "
+                        "agent.kwargs are passed to whichever agent agent.path names; set "
+                        "agent.kwargs to that class's arguments ({} for none)") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +140,7 @@ class ChatAgentSpec:
         where, _, name = self.agent.rpartition(":")
         if where.endswith(".py") and not os.path.isabs(where):  # runner actors need not share our cwd
             object.__setattr__(self, "agent", f"{os.path.abspath(where)}:{name}")
-        load_agent(self.agent)  # a bad path fails here, in the driver, at load time
+        load_agent(self.agent, self.agent_kwargs)  # a bad path or kwargs fail here, in the driver
 
 
 def _outcome(value: Any, agent: str, session_id: str) -> tuple[float, dict[str, float]]:

@@ -153,3 +153,75 @@ def test_segments_become_training_rows_with_the_episode_column(model_dir, tok):
     for row, t in enumerate(segs):
         mask = batch.batch["response_mask"][row].bool()
         assert batch.batch["responses"][row][mask].tolist() == [x for x, m in zip(t.token_ids, t.policy_mask) if m]
+
+
+NO_ARG_AGENTS = '''
+class NoArgs:
+    async def run(self, ctx):
+        return 1.0
+
+
+class NeedsTurns:
+    def __init__(self, turns):
+        self.turns = turns
+
+    async def run(self, ctx):
+        return 1.0
+'''
+
+
+def run_recipe_until_engines(overrides, monkeypatch):
+    """``recipes.chat_agent_grpo.train`` on the real YAML, stopped where the engines would start: the
+    spec its runners would get (made from ``agent_runners`` as the streamed loop makes it), or the error."""
+    from hydra import compose, initialize_config_dir
+
+    import recipes.chat_agent_grpo as recipe
+
+    specs = []
+
+    def no_training(cfg, agent_runners, describe):  # instead of warm start, engines and steps
+        agent_runners([], SAMPLED)
+        return "stopped"
+
+    monkeypatch.setattr(recipe, "train_on_streamed_episodes", no_training)
+    monkeypatch.setattr(recipe, "start_runners", lambda n, spec, engines, **kw: specs.append(spec))
+    with initialize_config_dir(config_dir=str(Path(recipe.__file__).parent / "config"), version_base=None):
+        cfg = compose("chat_agent_grpo", overrides=overrides)
+    assert recipe.train(cfg) == "stopped"
+    (spec,) = specs
+    return spec
+
+
+def test_an_agent_without_arguments_loads_with_the_default_config(tmp_path, monkeypatch):
+    # issue 24: the default RetryAgent's kwargs were in the YAML and reached every agent.path
+    path = tmp_path / "my_agent.py"
+    path.write_text(NO_ARG_AGENTS)
+    spec = run_recipe_until_engines([f"agent.path={path}:NoArgs"], monkeypatch)
+    assert spec.agent == f"{path}:NoArgs" and dict(spec.agent_kwargs) == {}
+    agent = load_agent(spec.agent)(**spec.agent_kwargs)  # what every episode does
+    assert type(agent).__name__ == "NoArgs"
+
+
+def test_the_default_agent_keeps_its_own_defaults_and_takes_overrides(monkeypatch):
+    spec = run_recipe_until_engines([], monkeypatch)
+    assert spec.agent.endswith("examples/agents/arithmetic_chat.py:RetryAgent") and dict(spec.agent_kwargs) == {}
+    agent = load_agent(spec.agent)(**spec.agent_kwargs)
+    assert (agent.max_tries, agent.discount) == (3, 0.5)
+    spec = run_recipe_until_engines(["+agent.kwargs.max_tries=5"], monkeypatch)
+    agent = load_agent(spec.agent)(**spec.agent_kwargs)
+    assert (agent.max_tries, agent.discount) == (5, 0.5)
+
+
+def test_agent_kwargs_the_class_does_not_take_fail_before_any_engine(tmp_path, monkeypatch):
+    path = tmp_path / "my_agent.py"
+    path.write_text(NO_ARG_AGENTS)
+    with pytest.raises(TypeError) as err:  # raised in train(), before train_on_streamed_episodes
+        run_recipe_until_engines([f"agent.path={path}:NoArgs", "+agent.kwargs.max_tries=3",
+                                  "+agent.kwargs.discount=0.5"], monkeypatch)
+    message = str(err.value)
+    assert "agent.kwargs" in message and "['discount', 'max_tries']" in message and "NoArgs" in message
+    with pytest.raises(TypeError, match=r"agent.kwargs .*\['turns'\].*NeedsTurns"):  # a required one missing
+        ChatAgentSpec(f"{path}:NeedsTurns", "unused", SAMPLED)
+    with pytest.raises(TypeError, match=r"\['turn'\] that it does not take.*NeedsTurns\(turns\)"):
+        ChatAgentSpec(f"{path}:NeedsTurns", "unused", SAMPLED, {"turn": 2})
+    assert ChatAgentSpec(f"{path}:NeedsTurns", "unused", SAMPLED, {"turns": 2}).agent_kwargs == {"turns": 2}
