@@ -5,24 +5,30 @@ tokens x 16 rows x 128 response tokens are 400 MB in fp32, and the plain path ho
 tensors at once (the head's output, its fp32 copy, the temperature division, softmax and the
 products of the entropy), and autograd keeps some of them for the backward. Here the head's
 matmul, the fp32 cast, the temperature, the sampler's top-k / top-p filter, the log-softmax and
-the entropy run on ``chunk_tokens`` positions at a time; with grad each chunk is checkpointed, so
-the backward recomputes that chunk's logits instead of keeping them. At most one chunk's logits
-(and its softmax temporaries) exist at any moment, whatever the batch; the price is the head's
-matmul once more in the backward, over the response positions only.
+the entropy run on ``chunk_tokens`` positions at a time, and the backward is written out
+(``_ChunkScores``): it keeps only each position's log-sum-exp and expected logit, recomputes one
+chunk's logits at a time and turns them into the gradient at once. At most one chunk's logits (and
+two tensors of its size) exist at any moment, whatever the batch; the price is the head's matmul
+once more in the backward, over the response positions only.
 
 The numbers are those of the plain path (``logprobs_from_logits`` / ``entropy_from_logits`` of
 ``filter_logits(logits.float() / temperature)``), chunked over positions: rows of a matmul do not
 depend on the other rows, so chunking changes the result only by the matmul's blocking (~1e-7).
+The gradient is autograd's of that path (tests compare both against float64 autograd):
+with z the filtered logits, p = softmax(z) and E = sum_v p_v z_v,
+
+    d log p_y / dz_v = 1[v = y] - p_v          d entropy / dz_v = -p_v (z_v - E)
+
+(filtered tokens have p_v = 0 and get nothing), then through z = (h W^T + b) / temperature, in the
+dtype of h and W, as autograd would cast it back.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
-from rlcore.algos.sampling import filter_logits
-from rlcore.algos.stats import entropy_from_logits, logprobs_from_logits
+from rlcore.algos.sampling import filter_logits, sampling_filter_active
 
 Tensor = torch.Tensor
 FP32_BYTES = 4
@@ -33,30 +39,75 @@ def chunk_tokens_for(vocab_size: int, chunk_mb: float) -> int:
     return max(1, int(chunk_mb * (1 << 20)) // (vocab_size * FP32_BYTES))
 
 
-def _chunk_scores(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float,
-                  top_k: int, top_p: float) -> Tensor:
-    logits = F.linear(hidden, weight, bias).float() / temperature
-    logits = filter_logits(logits, top_k, top_p, labels)
-    return torch.stack([logprobs_from_logits(logits, labels), entropy_from_logits(logits)], dim=-1)
+def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, top_k: int,
+            top_p: float) -> Tensor:
+    """One chunk's fp32 logits as the sampler saw them: / temperature, then top-k / top-p (-inf)."""
+    return filter_logits(F.linear(hidden, weight, bias).float() / temperature, top_k, top_p, labels)
+
+
+def _stats(z: Tensor, filtered: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(probabilities, log-sum-exp, expected logit E, z with filtered entries at 0) of a chunk."""
+    lse = torch.logsumexp(z, dim=-1)
+    p = torch.softmax(z, dim=-1)
+    finite = z.masked_fill(torch.isneginf(z), 0.0) if filtered else z  # p = 0 there: 0 * -inf would be NaN
+    return p, lse, (p * finite).sum(-1), finite
+
+
+class _ChunkScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, temperature, top_k, top_p, chunk_tokens):
+        filtered = sampling_filter_active(top_k, top_p)
+        n = hidden.shape[0]
+        log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        entropy, lse, expected = torch.empty_like(log_prob), torch.empty_like(log_prob), torch.empty_like(log_prob)
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
+            _, lse[s:e], expected[s:e], _ = _stats(z, filtered)
+            log_prob[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse[s:e]
+            entropy[s:e] = lse[s:e] - expected[s:e]
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.settings = (temperature, top_k, top_p, chunk_tokens, filtered)
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        temperature, top_k, top_p, chunk_tokens, filtered = ctx.settings
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        grad_h = torch.zeros_like(hidden) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        n = hidden.shape[0]
+        for s in range(0, n, chunk_tokens):
+            e = min(s + chunk_tokens, n)
+            z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
+            p, _, expected, finite = _stats(z, filtered)
+            g_lp, g_ent = grad_log_prob[s:e, None], grad_entropy[s:e, None]
+            grad_z = p * (-g_lp - g_ent * (finite - expected[:, None]))  # the -p_v parts of both
+            grad_z.scatter_add_(-1, labels[s:e, None], g_lp)  # + 1[v = y] of the log-prob's
+            grad_pre = (grad_z / temperature).to(hidden.dtype)
+            if want_h:
+                grad_h[s:e] = grad_pre @ weight
+            if want_w:
+                grad_w += (grad_pre.t() @ hidden[s:e]).float()
+            if want_b:
+                grad_b += grad_pre.float().sum(0)
+        return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
 
 
 def token_log_probs_and_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
                                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                                 chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
-    """(log p(label), entropy), each shaped like ``labels``, of the distribution
+    """(log p(label), entropy), fp32 and shaped like ``labels``, of the distribution
     ``filter(softmax(hidden @ weight.T + bias) / temperature)``; ``hidden`` is (..., H), ``labels`` (...).
 
-    Differentiable in ``hidden``, ``weight`` and ``bias`` (both outputs) when grad is enabled."""
+    Differentiable in ``hidden``, ``weight`` and ``bias`` (both outputs)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree but for the last dim")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
-    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    parts = []
-    for start in range(0, flat_h.shape[0], chunk_tokens):
-        args = (flat_h[start:start + chunk_tokens], weight, bias, flat_y[start:start + chunk_tokens],
-                temperature, top_k, top_p)
-        parts.append(checkpoint(_chunk_scores, *args, use_reentrant=False) if grad else _chunk_scores(*args))
-    scores = torch.cat(parts) if parts else flat_h.new_zeros((0, 2), dtype=torch.float32)
-    return scores[:, 0].reshape(labels.shape), scores[:, 1].reshape(labels.shape)
+    log_prob, entropy = _ChunkScores.apply(flat_h, weight, bias, flat_y, temperature, top_k, top_p, chunk_tokens)
+    return log_prob.reshape(labels.shape), entropy.reshape(labels.shape)
