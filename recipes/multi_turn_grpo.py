@@ -39,8 +39,9 @@ def episode_tasks(prompts: DataProto, cfg: DictConfig) -> DataProto:
     """A batch of prompts as rollout.n episode tasks each (adjacent, sharing the prompt's uid), with the
     batch's sampling seed (each turn's engine call derives its own from it)."""
     columns = prompts.non_tensor_batch
-    tasks = np.array([{"prompt": p, "answer": a} for p, a in zip(columns["raw_prompt"], columns["ground_truth"])],
-                     dtype=object)
+    messages = columns.get("messages")  # chat data: the env asks them through the template
+    tasks = np.array([{"prompt": p, "answer": a, **({"messages": messages[i]} if messages is not None else {})}
+                      for i, (p, a) in enumerate(zip(columns["raw_prompt"], columns["ground_truth"]))], dtype=object)
     return DataProto.from_dict(non_tensors={"task": tasks, "uid": columns["uid"]},
                                meta_info={"seed": prompts.meta_info.get("seed")}).repeat(cfg.rollout.n, interleave=True)
 

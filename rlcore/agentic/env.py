@@ -45,6 +45,7 @@ from typing import Any, Callable
 
 from rlcore.agentic.chat import ChatDelta
 from rlcore.registry import Registry
+from rlcore.rewards.registry import get_reward_fn
 
 Observation = list[int]
 
@@ -196,27 +197,33 @@ class GuessNumberEnv(Env):
 
 @register_env("arithmetic_retry")
 class ArithmeticRetryEnv(Env):
-    """A question with a known answer (the arithmetic task's ``a+b=``), answered in up to
-    ``max_turns`` tries: a wrong answer gets the question again, a right one ends the episode with
+    """A question with a known answer (the arithmetic task's ``a+b=``, or a word problem), answered in
+    up to ``max_turns`` tries: a wrong answer gets the question again, a right one ends the episode with
     reward ``discount ** (turn - 1)`` (1.0 first time), no right answer by the last try gets 0.
 
-    The prompt is the raw question, as the single-turn recipes pose it, so a policy trained on them
+    The prompt is the question as the single-turn recipes pose it, so a policy trained on them
     starts out sometimes right; the retries make the episode multi-turn, and the discount makes
-    being right at once worth the most. An answer is the decoded text, stripped, compared exactly.
+    being right at once worth the most. An answer is the decoded text, stripped, compared exactly,
+    or with ``check`` a reward function's name (``final_number``: a real chat model's "17 + 25 = 42"
+    is right) that must score it 1.
 
     ``chat_template`` (like ``data.apply_chat_template``; default off, as the single-turn recipes'
     data): the question is a user message through the tokenizer's chat template and each retry a
-    delta after the model's turn, instead of the raw text and ``"\\n" + question``.
+    delta after the model's turn, instead of the raw text and ``"\n" + question``. A task whose data
+    came as chat messages (its ``messages``) is asked as those messages, retried with its last user
+    message, always through the template.
     """
 
-    def __init__(self, tokenizer, max_turns: int = 3, discount: float = 0.5, chat_template: bool = False) -> None:
+    def __init__(self, tokenizer, max_turns: int = 3, discount: float = 0.5, chat_template: bool = False,
+                 check: str | None = None) -> None:
         super().__init__(tokenizer)
         if max_turns < 1 or not 0.0 < discount <= 1.0:
             raise ValueError(f"arithmetic_retry needs max_turns >= 1 and discount in (0, 1], got {max_turns}, {discount}")
         self.max_turns, self.discount, self.chat_template = max_turns, discount, bool(chat_template)
+        self.check = get_reward_fn(check) if check else None
         if self.chat_template:
             self.chat  # built now: a tokenizer without a chat template fails here
-        self.question = self.answer = ""
+        self.question, self.answer, self.messages = "", "", []
         self.turn, self.done = 0, True
 
     async def reset(self, task: Mapping[str, Any]) -> Observation:
@@ -224,21 +231,31 @@ class ArithmeticRetryEnv(Env):
         if not prompt or answer is None or str(answer).strip() == "":
             raise ValueError(f"arithmetic_retry needs a task with 'prompt' (the question) and 'answer', got {dict(task)}")
         self.question, self.answer, self.turn, self.done = prompt, str(answer).strip(), 0, False
+        self.messages = [dict(m) for m in task.get("messages") or []]  # the data's own chat form, if any
+        if self.messages:
+            return self.render_prompt(self.messages)
         return self.render_prompt([self._ask()]) if self.chat_template else self.encode(prompt)
 
     def _ask(self) -> dict[str, str]:
+        if self.messages:
+            return next(m for m in reversed(self.messages) if m["role"] == "user")
         return {"role": "user", "content": self.question}
+
+    def _right(self, text: str) -> bool:
+        if self.check is not None:
+            return float(self.check(text, self.answer)) == 1.0
+        return text.strip() == self.answer
 
     async def step(self, action_token_ids: Sequence[int]) -> Result:
         if self.done:
             raise RuntimeError("step() on a finished episode: call reset() first")
         self.turn += 1
-        right = self.decode_action(action_token_ids).strip() == self.answer
+        right = self._right(self.decode_action(action_token_ids))
         reward = self.discount ** (self.turn - 1) if right else 0.0
         self.done = right or self.turn >= self.max_turns
         if self.done:
             observation = []
-        elif self.chat_template:
+        elif self.chat_template or self.messages:
             observation = self.render_turn(action_token_ids, [self._ask()])
         else:
             observation = self.encode("\n" + self.question)
