@@ -4,6 +4,8 @@
     python benchmarks/grpo_vs_trl.py --preset small --prompts 32 --n 8 --new-tokens 128 --steps 4
     python benchmarks/grpo_vs_trl.py --model <warm start>/hf --prompts 64 --n 8 --new-tokens 8 \
         --steps 40 --lr 2e-4 --micro-batch 512 --free-length      # reward curves of both
+    python benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16 --n 8 \
+        --new-tokens 32 --micro-batch 16 --steps 4                 # the real 135M model (49k vocabulary)
 
 Both sides sample prompts x n completions of exactly ``--new-tokens`` tokens (eos ignored, so both
 generate the same number of tokens), score them with the same arithmetic reward, compute GRPO
@@ -43,10 +45,28 @@ import tempfile
 import time
 
 
-def make_prompts(count: int) -> list[dict]:
-    from rlcore.data.arithmetic import make_arithmetic_examples
+def make_prompts(count: int, task: str) -> list[dict]:
+    """``{"prompt", "answer"}`` rows: raw ``a+b=`` strings for ``arithmetic`` (the tiny models), or
+    chat messages of a generated word-problem task (a real chat model; both sides render them with
+    the tokenizer's chat template, so they see the same ids)."""
+    if task == "arithmetic":
+        from rlcore.data.arithmetic import make_arithmetic_examples
 
-    return make_arithmetic_examples(count, seed=0, max_operand=20)
+        return make_arithmetic_examples(count, seed=0, max_operand=20)
+    from rlcore.data.word_problems import make_word_problems
+
+    return make_word_problems(task, count, seed=0)
+
+
+def prompt_ids(tok, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return tok(prompt)["input_ids"]
+    return tok(tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False),
+               add_special_tokens=False)["input_ids"]
+
+
+def reward_name(task: str) -> str:
+    return "arithmetic" if task == "arithmetic" else "final_number"
 
 
 def run_rlcore(args) -> dict:
@@ -83,9 +103,9 @@ def run_rlcore(args) -> dict:
     # torch_threads; measured 2 on the 2-core CPU machine: vLLM's CPU worker leaves them as they are).
     threads = torch.get_num_threads()
     train_dtype = group.worker(0, "actor").compute_dtype or "float32"
-    reward = RuleRewardManager(tok, "arithmetic", num_workers=0)
-    examples = make_prompts(args.prompts)
-    items = [{"input_ids": torch.tensor(tok(e["prompt"])["input_ids"]), "ground_truth": e["answer"], "uid": str(i)}
+    reward = RuleRewardManager(tok, reward_name(args.task), num_workers=0)
+    examples = make_prompts(args.prompts, args.task)
+    items = [{"input_ids": torch.tensor(prompt_ids(tok, e["prompt"])), "ground_truth": e["answer"], "uid": str(i)}
              for i, e in enumerate(examples)]
     tensors, non_tensors = collate_prompts(items, tok.pad_token_id)
     step_times, rewards, stages, trained = [], [], {}, []
@@ -122,10 +142,11 @@ def run_trl(args) -> dict:
 
     from rlcore.rewards.registry import get_reward_fn
 
-    arithmetic = get_reward_fn("arithmetic")
+    score = get_reward_fn(reward_name(args.task))
 
-    def reward_fn(completions, answer, **_):
-        return [arithmetic(c, a) for c, a in zip(completions, answer)]
+    def reward_fn(completions, answer, **_):  # conversational prompts: each completion is [{"role", "content"}]
+        texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+        return [score(t, a) for t, a in zip(texts, answer)]
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -139,7 +160,7 @@ def run_trl(args) -> dict:
 
     rows = args.prompts * args.n
     tok = AutoTokenizer.from_pretrained(args.model)
-    data = Dataset.from_list([{"prompt": e["prompt"], "answer": e["answer"]} for e in make_prompts(args.prompts)])
+    data = Dataset.from_list([{"prompt": e["prompt"], "answer": e["answer"]} for e in make_prompts(args.prompts, args.task)])
     cfg = GRPOConfig(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=rows, num_generations=args.n,
         max_completion_length=args.new_tokens,
@@ -200,7 +221,10 @@ def main() -> None:
                         help="rlcore's training precision, model.mixed_precision (auto: bf16 where native and measured "
                              "faster on this model, rlcore.workers.precision)")
     parser.add_argument("--trl-bf16", action="store_true", help="TRL trains with bf16=True (autocast) instead of fp32")
-    parser.add_argument("--model", help="an HF directory (default: a fresh tiny model of --preset)")
+    parser.add_argument("--model", help="an HF directory, a .gguf file or smollm2 (default: a fresh tiny model of --preset)")
+    parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "arithmetic_words", "multi_step"],
+                        help="the prompts: arithmetic (raw a+b=, the tiny models) or a word-problem task through the "
+                             "model's chat template (a real chat model: --model smollm2 --task arithmetic_words)")
     parser.add_argument("--skip-zero-advantage-rows", action="store_true",
                         help="rlcore leaves rows with all-zero advantages out of the update (its default in the recipes); "
                              "off here so that both sides train on every row: a random-init model scores 0 on every "
@@ -228,7 +252,9 @@ def main() -> None:
 
     from rlcore.models.tiny import build_tiny_model
 
-    args.model = args.model or build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
+    from rlcore.models.gguf import resolve_model_path
+
+    args.model = resolve_model_path(args.model) or build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
     flags = cpu_flags()
     results = {f"rlcore-{b}": spawn("rlcore", args, b) for b in backends}
     have_trl = importlib.util.find_spec("trl") is not None
@@ -238,7 +264,7 @@ def main() -> None:
         sys.exit('TRL is not installed: pip install -e ".[bench]"')
     step = {side: statistics.median(r["step_s"][1:]) for side, r in results.items()}
     length = "up to" if args.free_length else "exactly"
-    print(f"model {args.model}, {args.prompts} prompts x {args.n} samples x {length} {args.new_tokens} tokens, "
+    print(f"model {args.model}, task {args.task}, {args.prompts} prompts x {args.n} samples x {length} {args.new_tokens} tokens, "
           f"lr {args.lr}, median of steps 2..{args.steps}")
     print(f"CPU: {flags['capability']}, {flags['native_bf16']}; vLLM samples in {args.rollout_dtype or flags['vllm_dtype']}")
     ratios = {}

@@ -2,6 +2,12 @@
 
     python -m benchmarks.step [--steps 6] [--json out.json] [override ...]   e.g. rollout.backend=vllm
     python -m benchmarks.step --quick                                         (the test suite's smoke run)
+    python -m benchmarks.step --model smollm2 [--steps 4]                     a real model (or --model <HF dir>)
+
+``--model`` runs the recipe with ``+preset=smollm2`` (recipes/config/preset/smollm2.yaml: SmolLM2-135M-Instruct
+on the arithmetic-in-words task, vLLM sampling, its micro-batch sizes) and ``model.path`` set to it.
+Every run reports the peak resident memory (``VmHWM``) of the driver and of each rank's process, read
+at every step's end: what decides whether a setting fits a 24 GB machine.
 
 Runs ``recipes.grpo`` with its defaults (the warm-started tiny model on the arithmetic task, hybrid
 engine on Ray; the warm start is built once and cached) for a few steps without validation or
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -41,6 +48,15 @@ from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.tracking import read_jsonl_metrics
 
 QUICK = ["data.train_batch_size=8", "rollout.max_new_tokens=8"]
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The peak resident set of a live process on this machine (Linux ``VmHWM``)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
 
 
 class Stopwatch:
@@ -81,9 +97,10 @@ class Stopwatch:
             setattr(owner, attr, original)
 
 
-def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float]]:
-    """``steps`` GRPO steps: the logged metric rows after warm-up and the median seconds per step
-    of each wrapped part (plus ``wall``, from one step's end to the next)."""
+def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float], dict[str, int]]:
+    """``steps`` GRPO steps: the logged metric rows after warm-up, the median seconds per step
+    of each wrapped part (plus ``wall``, from one step's end to the next) and the peak RSS of the
+    driver and each rank's process."""
     out = tempfile.mkdtemp(prefix="rlcore_step_")
     overrides = [f"trainer.total_steps={steps}", "trainer.val_freq=0", "trainer.save_freq=0",
                  f"trainer.output_dir={out}", "trainer.loggers=[jsonl]", "trainer.run_name=bench",
@@ -105,8 +122,12 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float]]
         end_step(self, *args, **kwargs)
         watch.current["end_step"] += time.perf_counter() - start
         watch.current["worker compute"] = max(self.workers.group.busy_seconds())  # cumulative: differenced below
+        peaks["driver"] = peak_rss_bytes(os.getpid())
+        for info in self.workers.group.worker_info:  # each rank's own process (the driver's with backend=local)
+            peaks[f"rank{info['rank']}"] = peak_rss_bytes(info["pid"])
         watch.end_of_step()
 
+    peaks: dict[str, int] = {}
     TrainingRun.end_step = end_step_and_mark
     try:
         training = recipes.grpo.train(cfg)
@@ -122,7 +143,7 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float]]
     parts = {key: statistics.median(s.get(key, 0.0) for s in watch.per_step[1:])
              for key in {k for s in watch.per_step[1:] for k in s}}
     parts["wall"] = statistics.median(b - a for a, b in zip(watch.step_ends, watch.step_ends[1:]))
-    return rows, parts
+    return rows, parts, peaks
 
 
 def median(rows: list[dict], key: str) -> float:
@@ -135,10 +156,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--quick", action="store_true", help="3 steps of 8 prompts x 8 tokens (the suite's check)")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--model", help="a real model: +preset=smollm2 with model.path=MODEL (a HF dir, .gguf or smollm2)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of recipes/config/grpo.yaml")
     args = parser.parse_args()
     steps, overrides = (3, QUICK + args.overrides) if args.quick else (args.steps, args.overrides)
-    rows, parts = run(overrides, steps)
+    if args.model:
+        overrides = ["+preset=smollm2", f"model.path={args.model}", *overrides]
+    rows, parts, peaks = run(overrides, steps)
 
     step_s, wall = median(rows, "timing_s/step"), parts["wall"]
     print(f"\nGRPO step, defaults + {overrides or 'no overrides'}: median over steps 2..{steps}")
@@ -167,13 +191,14 @@ def main() -> None:
         print(f"  {name:<62}{seconds:>7.3f} s{seconds / wall:>6.0%}")
     print(f"  {'total fixed':<62}{total:>7.3f} s{total / wall:>6.0%}")
     print(f"rollout tokens/s (generated): {median(rows, 'rollout/tokens_per_s'):.0f}")
+    print("peak resident memory: " + ", ".join(f"{who} {n / 2**30:.2f} GiB" for who, n in peaks.items()))
     trained = median(rows, "actor/trained_rows_frac")  # with skip_zero_advantage_rows where it applies (no KL loss)
     print(f"rows the actor trained on: {'all' if trained != trained else f'{trained:.0%} (the rest had zero advantage)'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
                        "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained,
-                       "worker_compute_s": compute, "parts_s": parts}, f, indent=2)
+                       "worker_compute_s": compute, "parts_s": parts, "peak_rss_bytes": peaks}, f, indent=2)
 
 
 if __name__ == "__main__":
