@@ -169,10 +169,11 @@ def split_for_ranks(ctx: CallContext, value: Any, world_size: int, what: str) ->
     if not isinstance(value, DataProto):
         return [value] * world_size
     if len(value) % world_size:
-        if not ctx.pad:
+        if not (ctx.pad or value.is_padding_enabled()):  # verl's spelling: DataProtoConfig.auto_padding
             raise ValueError(
                 f"{what}: batch of {len(value)} rows does not divide across {world_size} ranks; "
-                f"use a batch size divisible by {world_size} or call with .options(pad=True)"
+                f"use a batch size divisible by {world_size} or call with .options(pad=True) "
+                "(verl's spelling: DataProtoConfig.auto_padding = True, or DataProto.from_dict(..., auto_padding=True))"
             )
         value, pad = value.pad_to_divisor(world_size)
         ctx.scratch["chunk_rows"] = len(value) // world_size
@@ -231,7 +232,7 @@ def collect_dp_proto(ctx: CallContext, outputs: list) -> Any:
     if not all(isinstance(o, DataProto) for o in outputs):
         kinds = sorted({type(o).__name__ for o in outputs})
         raise TypeError(f"a DP_COMPUTE_PROTO method must return a DataProto on every rank, got {kinds}")
-    out = DataProto.concat(outputs)
+    out = DataProto.concat(outputs, meta_conflicts="first")  # per-rank values (timings): rank 0's
     order = ctx.scratch.get("order")
     if order is not None:
         # k outputs per input row (adjacent) travel together: input row order[j] gave rows j*k .. j*k+k-1

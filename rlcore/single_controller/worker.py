@@ -117,7 +117,7 @@ class RemoteChunk:
     def resolve(self) -> DataProto:
         import ray  # optional dependency: only Ray-hosted workers get here
 
-        full = DataProto.concat(ray.get(self.refs)).unpad(self.pad_size)
+        full = DataProto.concat(ray.get(self.refs), meta_conflicts="first").unpad(self.pad_size)  # as the collect
         padded, _ = full.pad_to_divisor(self.parts)
         return padded.chunk(self.parts)[self.index]
 

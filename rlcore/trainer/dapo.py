@@ -77,7 +77,8 @@ class GroupCollector:
             raise RuntimeError("GroupCollector.batch() before any round was added")
         t_p = max(widths(p)[0] for p in parts)
         t_r = max(widths(p)[1] for p in parts)
-        merged = DataProto.concat([pad_rollout(p, t_p, t_r, self.pad_token_id) for p in parts])
+        merged = DataProto.concat([pad_rollout(p, t_p, t_r, self.pad_token_id) for p in parts],
+                                  meta_conflicts="first")  # each round's generation timings: the first round's
         uid = merged.non_tensor_batch["uid"]
         chosen = _groups(uid)[: self.num_groups]
         if len(chosen) < self.num_groups:

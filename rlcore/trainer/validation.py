@@ -34,7 +34,7 @@ def validate(rollout: WorkerGroup | Callable[[DataProto], DataProto], batches: S
         out = generate(prompts)
         out.union(reward_fn(out))
         outputs.append(out)
-    out = DataProto.concat(outputs)
+    out = DataProto.concat(outputs, meta_conflicts="first")  # each batch's own reward metrics: recomputed below
     scores = out.batch["reward_scores"].double()
     lengths = out.batch["response_mask"].sum(-1)
     return {

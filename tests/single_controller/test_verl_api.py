@@ -14,7 +14,14 @@ import ray
 import torch
 
 from rlcore import DataProto as TopLevelDataProto
-from rlcore.protocol import DataProto, fold_batch_dim, pad_dataproto_to_divisor, unfold_batch_dim, unpad_dataproto
+from rlcore.protocol import (
+    DataProto,
+    DataProtoConfig,
+    fold_batch_dim,
+    pad_dataproto_to_divisor,
+    unfold_batch_dim,
+    unpad_dataproto,
+)
 from rlcore.single_controller import (
     ClassWithInitArgs,
     Dispatch,
@@ -190,6 +197,39 @@ def test_verl_only_dispatch_names_point_to_rlcore_equivalents():
         Dispatch.MEGATRON_COMPUTE_PROTO
     with pytest.raises(AttributeError):
         Dispatch.NO_SUCH_MODE
+
+
+# ----------------------------------------------------------------------------- verl's auto padding
+class AddRank(Worker):
+    @register(Dispatch.DP_COMPUTE_PROTO)
+    def add(self, data):
+        return DataProto.from_dict({"a": data.batch["a"] + 10 * self.rank}, meta_info={"rank": self.rank})
+
+
+def test_auto_padding_lets_a_dp_call_take_a_batch_that_does_not_divide(monkeypatch):
+    wg = LocalWorkerGroup(ClassWithInitArgs(AddRank), world_size=2)
+    plain = DataProto.from_dict({"a": torch.tensor([1, 2, 3])})
+    with pytest.raises(ValueError, match=r"does not divide across 2 ranks.*DataProtoConfig.auto_padding = True"):
+        wg.add(plain)
+    flagged = DataProto.from_dict({"a": torch.tensor([1, 2, 3])}, auto_padding=True)
+    # padded to [1, 2, 3, 1]: rank 0 adds 0 to [1, 2], rank 1 adds 10 to [3, 1]; the padding row's result is dropped
+    out = wg.add(flagged)
+    assert out.batch["a"].tolist() == [1, 2, 13] and len(flagged) == 3  # the caller's batch is not padded in place
+    assert wg.add(data=flagged).batch["a"].tolist() == [1, 2, 13]  # as a keyword too
+    monkeypatch.setattr(DataProtoConfig, "_auto_padding", False)
+    DataProtoConfig.auto_padding = True  # verl's process-wide switch
+    assert wg.add(plain).batch["a"].tolist() == [1, 2, 13]
+    assert wg.add(DataProto.from_dict({"a": torch.tensor([5])})).batch["a"].tolist() == [5]  # [5, 5]: one row each
+
+
+def test_group_collect_keeps_rank_zeros_meta_where_a_plain_concat_refuses():
+    wg = LocalWorkerGroup(ClassWithInitArgs(AddRank), world_size=2)
+    data = DataProto.from_dict({"a": torch.tensor([1, 2, 3, 4])})
+    assert wg.add(data).meta_info == {"rank": 0}
+    by_hand = [wg.worker(r).add(part) for r, part in enumerate(data.chunk(2))]
+    with pytest.raises(AssertionError, match=r"Conflicting values for meta_info key 'rank'.*0 \(part 0\) vs 1 \(part 1\)"):
+        DataProto.concat(by_hand)  # verl's rule for DataProto.concat
+    assert DataProto.concat(by_hand, meta_conflicts="first").batch["a"].tolist() == [1, 2, 13, 14]
 
 
 # ----------------------------------------------------------------------------- @ray.remote classes
