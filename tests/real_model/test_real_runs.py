@@ -44,25 +44,22 @@ def test_actor_log_probs_at_the_real_vocabulary_equal_the_full_logits(smollm2_di
                                 meta_info={"temperature": 0.7, "top_k": 50})
     # 8 MiB chunks: 42 positions each, so the 36 response tokens of a micro-batch of 3 span one chunk and
     # of the whole batch several; 1 row per micro-batch too
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.batch["input_ids"], attention_mask=mask,
+                       position_ids=batch.batch["position_ids"]).logits[:, -13:-1].float() / 0.7
+    # the sampler's top-50, plus the scored token itself (filter_logits keeps it: random tokens are outside)
+    keep = (logits >= logits.topk(50, dim=-1).values[..., -1:]).scatter(-1, responses[..., None], True)
+    log_probs = torch.log_softmax(logits.masked_fill(~keep, float("-inf")), -1)
+    expected = log_probs.gather(-1, responses[..., None]).squeeze(-1)
+    entropy = -(log_probs.exp() * log_probs.nan_to_num(neginf=0.0)).sum(-1)
     for micro in (1, 3):
         config = {"model": {"path": smollm2_dir}, "actor": {"ppo_micro_batch_size_per_gpu": micro, "logits_chunk_mb": 8}}
         actor = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, config, role="ref"))
         actor.init_model()
         out = actor.compute_log_prob(batch)
-        model = AutoModelForCausalLM.from_pretrained(smollm2_dir).eval()
-        with torch.no_grad():
-            logits = model(input_ids=batch.batch["input_ids"], attention_mask=mask,
-                           position_ids=batch.batch["position_ids"]).logits[:, -13:-1].float() / 0.7
-        kth = logits.topk(50, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-        log_probs = torch.log_softmax(logits, -1)
-        expected = log_probs.gather(-1, responses[..., None]).squeeze(-1)
-        kept = torch.isfinite(expected)  # random tokens outside the top 50 are scored as if kept (filter_logits)
-        torch.testing.assert_close(out.batch["old_log_probs"][kept], expected[kept], atol=2e-4, rtol=0)
-        entropy = -(log_probs.exp() * log_probs.nan_to_num(neginf=0.0)).sum(-1)
-        if kept.all(-1).any():
-            row = kept.all(-1)
-            torch.testing.assert_close(out.batch["entropys"][row], entropy[row], atol=2e-4, rtol=0)
+        torch.testing.assert_close(out.batch["old_log_probs"], expected, atol=2e-4, rtol=0)
+        torch.testing.assert_close(out.batch["entropys"], entropy, atol=2e-4, rtol=0)
 
 
 def test_one_grpo_step_of_the_preset_then_its_export_loads_in_both_engines(smollm2_dir, tmp_path):
