@@ -14,6 +14,9 @@ Contract:
     completion.finish_reason                         # "stop" | "length" | "abort"
     completion.policy_versions                       # per token: the version that produced it
 
+    async for item in engine.generate_stream(prompt_ids, sampling, session_id):
+        ...  # TokenChunks as the engine samples them, then the final Completion (the same as generate's)
+
     await engine.update_weights(buckets, version)    # new weights, streamed in buckets:
     #   = begin_update(version, in_flight); load_bucket(b) for each bucket; finish_update()
     engine.policy_version                            # the version now loaded
@@ -25,7 +28,13 @@ pauses between engine steps, requests keeping their place, loads the new version
 one response may then span two versions, and ``policy_versions`` says which token came from
 which, so the loss can correct (or mask) each token by its own staleness.
 
-Implementations: ``AsyncHFEngine`` (a batching loop over transformers ``generate``) and
+Streaming: ``generate_stream`` yields the tokens while the request runs (a chat client's first
+token need not wait for the whole turn), then the Completion, which alone is the record: its ids,
+log-probs and versions are exactly the chunks' concatenated (the trajectory is built from it, never
+from the chunks). Closing the iterator early (a client that hung up) cancels the request. The
+default here yields the Completion alone, for engines that cannot stream.
+
+Implementations: ``AsyncHFEngine`` (token-level continuous batching over an HF model) and
 ``AsyncVLLMEngine`` (vLLM's ``AsyncLLM``); ``EngineServer`` serves either from a Ray actor of its
 own, and ``RemoteEngine`` is the same interface over such a server's handle.
 """
@@ -34,7 +43,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from rlcore.engines.base import SamplingSettings
@@ -67,6 +76,16 @@ class Completion:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
 
 
+@dataclass
+class TokenChunk:
+    """Tokens of a running request, as the engine sampled them (see ``generate_stream``)."""
+
+    token_ids: list[int]
+    log_probs: list[float]
+    policy_versions: list[int]  # HF: exact; vLLM: the engine's version when the chunk arrived (exact in the Completion)
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
 class AsyncEngine(ABC):
     """One copy of the policy weights serving concurrent requests (see the module docstring)."""
 
@@ -97,6 +116,11 @@ class AsyncEngine(ABC):
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
                        session_id: Hashable | None = None) -> Completion:
         """One continuation of ``prompt_ids`` (``sampling.n`` must be 1; for n samples, n requests)."""
+
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                              session_id: Hashable | None = None) -> AsyncIterator[TokenChunk | Completion]:
+        """``TokenChunk``s as they are sampled, then the final ``Completion`` (the last item)."""
+        yield await self.generate(prompt_ids, sampling, session_id)
 
     @abstractmethod
     async def begin_update(self, version: int, in_flight: bool = False) -> None:

@@ -1,185 +1,405 @@
-"""``AsyncHFEngine``: the HF engine behind the asynchronous interface, batching concurrent requests.
+"""``AsyncHFEngine``: an HF model behind the asynchronous interface, with token-level continuous batching.
 
-Requests are queued; a batching loop takes every request pending when the engine becomes free,
-groups them by sampling settings (one ``generate`` call needs one temperature, top-p, ...), and
-runs each group as one batched, left-padded ``HFEngine.generate`` in a worker thread, so the event
-loop (the episodes' env steps) keeps running meanwhile. Requests that arrive during a call wait
-for the next one: batching per call, not per token, which is what transformers can do. A group
-is generated to its longest budget and each request cut to its own (sampling is autoregressive:
-the first k tokens do not depend on how many follow).
+Why not batch per ``generate`` call: requests that arrive while a call runs would wait for all of
+it, and with episodes that spend half their time in an env the calls get small. Here one engine
+thread runs a decode loop over a running batch (``rlcore.engines.kv_batch.KVBatch``): between two
+decode steps it admits the requests that arrived (one left-padded prefill, merged into the batch's
+KV cache), and a request that finishes leaves at once; nothing waits for a batch to fill or drain.
 
-Weight updates wait for the call in flight, then copy the buckets' tensors into the parameters
-(names checked); HF responses therefore always come from one version, ``in_flight`` or not.
+Sampling is HF's, row by row: rows whose settings match (temperature, top-k, top-p, greedy) are
+sampled together through HF's own warpers (``hf_engine.sampling_warpers``), and every token's
+log-prob is the ``log_softmax`` of the warped scores at that token (greedy: of the raw logits), as
+``HFEngine`` records them. Stopping is ``HFEngine``'s: eos / stop ids, stop strings on the decoded
+response, or the request's own ``max_new_tokens``; a stop completed by the last budgeted token is a
+"stop". Greedy output equals HF ``generate`` on the prompt alone.
 
-Seeds: ``sampling.seed`` is dropped (requests of several seeds batch together) and calls sample
-from the engine's stream: which requests share a call depends on timing, so a per-call seed would
-not make an asynchronous run repeatable.
+The engine thread talks to the event loops only through ``call_soon_threadsafe`` (results, one
+callback per loop per step) and a condition variable (new requests, pauses), so requests may come
+from any event loop, one after another (``asyncio.run`` again and again). A request whose caller
+went away (cancelled, timed out, a closed stream) leaves the batch at the next step.
+
+Weight updates: ``begin_update`` parks the engine thread between two steps, after the requests in
+flight finish (default: every response from one version) or at once (``in_flight``: requests keep
+their place). ``load_bucket`` copies into the parameters while it is parked; ``finish_update``
+stamps the new version and, after an in-flight swap, recomputes the running rows' KV cache with the
+new weights before their next token (the tokens sampled before the swap stay, stamped with the old
+version). Every wait has a timeout.
+
+Seeds: ``sampling.seed`` is dropped; rows sample from the engine's own ``torch.Generator`` (seeded
+with ``rollout.seed + rank``): which requests share a step depends on timing, so a per-request seed
+would not make an asynchronous run repeatable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
+import threading
 import time
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-from rlcore.engines.async_base import AsyncEngine, Completion
+from rlcore.engines.async_base import AsyncEngine, Completion, TokenChunk
 from rlcore.engines.base import RolloutConfig, SamplingSettings
-from rlcore.engines.hf_engine import HFEngine
+from rlcore.engines.hf_engine import HFEngine, sampling_warpers
+from rlcore.engines.kv_batch import KVBatch, use_gqa_sdpa
 from rlcore.engines.weights import WeightBucket
 from rlcore.models.config import ModelConfig
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     prompt_ids: list[int]
     sampling: SamplingSettings
-    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future | None  # generate: the Completion
+    chunks: asyncio.Queue | None  # generate_stream: TokenChunks, then the Completion
     queued_at: float
+    cancelled: bool = False  # the caller went away: the engine thread drops it
+
+
+@dataclass(eq=False)
+class _Row:
+    """A request in the running batch, with what it has sampled so far."""
+
+    request: _Request
+    stop_ids: frozenset[int]
+    key: SamplingSettings  # the sampling without budget and stops: rows with equal keys are sampled together
+    admitted_at: float
+    tokens: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    top: list[list[tuple[int, float]]] | None = None
+    sent: int = 0  # tokens already posted as chunks
+    finish: str | None = None
 
 
 class AsyncHFEngine(AsyncEngine):
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0,
-                 max_batch_size: int = 256, engine_id: int | str | None = None) -> None:
+                 max_batch_size: int = 256, engine_id: int | str | None = None, max_prefill_tokens: int = 16384,
+                 request_timeout_s: float = 600.0, update_timeout_s: float = 600.0) -> None:
         self.engine = HFEngine(model_cfg, rollout_cfg, device=device, rank=rank)
         self.pad_token_id, self.eos_token_id = self.engine.pad_token_id, self.engine.eos_token_id
         self.max_batch_size, self.engine_id = max_batch_size, engine_id
+        self.max_prefill_tokens = max_prefill_tokens  # padded prompt tokens one admission may prefill
+        self.request_timeout_s, self.update_timeout_s = request_timeout_s, update_timeout_s
         self.policy_version = 0
-        self._queue: asyncio.Queue[_Request] | None = None
-        self._loop_task: asyncio.Task | None = None
-        self._idle = asyncio.Event()  # set while no generate call runs (weight updates wait for it)
-        self._updating = False
-        self._resume = asyncio.Event()
+        use_gqa_sdpa(self.engine.model)  # this engine's own model: grouped KV heads without a copy per step
+        self.batch = KVBatch(self.engine.model, self.pad_token_id)
+        self.generator = torch.Generator(device=self.engine.device).manual_seed(rollout_cfg.seed + rank)
+        self.rows: list[_Row] = []  # the engine thread's: same order as the batch's rows
+        self.peak_batch = 0  # the most rows decoded in one step
+        self.steps = 0
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._cond = threading.Condition()
+        self._pause: str | None = None  # None | "drain" (wait for the rows) | "keep" (at once)
+        self._parked = False
+        self._recompute = False  # the rows' KV came from older weights
+        self._closing = False
+        self._thread: threading.Thread | None = None
         self._running = 0
-        self._update_started = 0.0
+        self._update: dict | None = None
 
-    # ------------------------------------------------------------------ requests
-    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
-                       session_id: Hashable | None = None) -> Completion:
+    # ------------------------------------------------------------------ requests (event loop side)
+    def _submit(self, prompt_ids: Sequence[int], sampling: SamplingSettings, stream: bool) -> _Request:
         if sampling.n != 1:
             raise ValueError(f"one request samples one continuation (n=1), got n={sampling.n}")
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt token")
-        self._ensure_loop()
-        future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        request = _Request(list(prompt_ids), sampling, loop, None if stream else loop.create_future(),
+                           asyncio.Queue() if stream else None, time.perf_counter())
+        self._ensure_thread()
+        with self._cond:
+            self._pending.append(request)
+            self._cond.notify_all()
+        return request
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                       session_id: Hashable | None = None) -> Completion:
+        request = self._submit(prompt_ids, sampling, stream=False)
         self._running += 1
         self._request_started()
         try:
-            await self._queue.put(_Request(list(prompt_ids), sampling, future, time.perf_counter()))
-            return await future
+            return await asyncio.wait_for(request.future, timeout=self.request_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"engine {self.engine_id}: a request did not finish within "
+                               f"{self.request_timeout_s:g}s") from None
         finally:
+            request.cancelled = True  # a no-op once finished; otherwise the thread drops it
+            self._running -= 1
+            self._request_finished()
+
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                              session_id: Hashable | None = None) -> AsyncIterator[TokenChunk | Completion]:
+        request = self._submit(prompt_ids, sampling, stream=True)
+        self._running += 1
+        self._request_started()
+        deadline = time.perf_counter() + self.request_timeout_s
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(request.chunks.get(), timeout=max(deadline - time.perf_counter(), 0))
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"engine {self.engine_id}: a request did not finish within "
+                                       f"{self.request_timeout_s:g}s") from None
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, Completion):
+                    return
+        finally:
+            request.cancelled = True
             self._running -= 1
             self._request_finished()
 
     def num_running(self) -> int:
         return self._running
 
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            # A new event loop (asyncio.run again): asyncio primitives bind to the loop that first
-            # waits on them, so the queue and both events are made anew with the batching loop.
-            self._queue = asyncio.Queue()
-            self._idle, self._resume = asyncio.Event(), asyncio.Event()
-            self._idle.set()
-            self._resume.set()
-            self._loop_task = asyncio.get_running_loop().create_task(self._batch_loop())
+    # ------------------------------------------------------------------ the engine thread
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            if self._closing:
+                raise RuntimeError(f"engine {self.engine_id} is closed")
+            self._thread = threading.Thread(target=self._serve, name=f"async-hf-{self.engine_id}", daemon=True)
+            self._thread.start()
 
-    async def _batch_loop(self) -> None:
+    def _serve(self) -> None:
         while True:
-            first = await self._queue.get()
-            await self._resume.wait()  # no new call while weights are being swapped
-            batch = [first]
-            while not self._queue.empty() and len(batch) < self.max_batch_size:
-                batch.append(self._queue.get_nowait())
-            groups: dict[SamplingSettings, list[_Request]] = {}
-            for request in batch:
-                key = dataclasses.replace(request.sampling, max_new_tokens=1, seed=None)
-                groups.setdefault(key, []).append(request)
-            self._idle.clear()
+            with self._cond:
+                admit = self._wait_for_work()
+                if admit is None:
+                    return
+            posts: dict[asyncio.AbstractEventLoop, list] = collections.defaultdict(list)
             try:
-                for group in groups.values():
-                    await self._run_group(group)
-            finally:
-                self._idle.set()
+                if self._recompute:
+                    self._recompute_cache()
+                if admit:
+                    self._admit(admit)
+                    self._retire(posts)
+                if self.rows:
+                    self._step()
+                    self._retire(posts)
+            except Exception as exc:  # every request of the batch learns why; the engine goes on
+                for row in self.rows:
+                    _fail(posts, row.request, exc)
+                for request in admit:
+                    _fail(posts, request, exc)
+                self.rows = []
+                self.batch.reset()
+            _post(posts)
 
-    async def _run_group(self, group: list[_Request]) -> None:
-        live = [r for r in group if not r.future.cancelled()]
-        if not live:
-            return
-        width = max(len(r.prompt_ids) for r in live)
-        ids = torch.full((len(live), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(live), width), dtype=torch.long)
-        for row, r in enumerate(live):
-            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
-            mask[row, width - len(r.prompt_ids):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        settings = dataclasses.replace(live[0].sampling, max_new_tokens=max(r.sampling.max_new_tokens for r in live),
-                                       seed=None)
-        version, start = self.policy_version, time.perf_counter()
-        try:
-            gen = await asyncio.to_thread(self.engine.generate, ids, mask, positions, settings)
-        except Exception as exc:  # every request of the call learns why
-            for r in live:
-                if not r.future.done():
-                    r.future.set_exception(exc)
-            return
-        for row, r in enumerate(live):
-            n = min(int(gen.lengths[row]), r.sampling.max_new_tokens)
-            stopped = int(gen.lengths[row]) <= r.sampling.max_new_tokens and self._ends_with_stop(gen, row, n, r)
-            top = None
-            if gen.top_ids is not None:
-                top = [list(zip(ids, lps)) for ids, lps in zip(gen.top_ids[row, :n].tolist(),
-                                                                gen.top_log_probs[row, :n].tolist())]
-            completion = Completion(
-                token_ids=gen.responses[row, :n].tolist(), log_probs=gen.log_probs[row, :n].tolist(),
-                finish_reason="stop" if stopped else "length", policy_versions=[version] * n,
-                engine_id=self.engine_id, metrics={"engine/queue_s": start - r.queued_at}, top_logprobs=top)
-            if not r.future.done():
-                r.future.set_result(completion)
+    def _wait_for_work(self) -> list[_Request] | None:
+        """Under the lock: park while paused; the requests to admit now ([] to just step); None to exit."""
+        while True:
+            if self._closing:
+                return None
+            while self._pending and self._pending[0].cancelled:
+                self._pending.popleft()
+            if self._pause == "keep" or (self._pause == "drain" and not self.rows):
+                if not self._parked:
+                    self._parked = True
+                    self._cond.notify_all()
+                self._cond.wait(timeout=1.0)
+                continue
+            self._parked = False
+            admit = self._take_pending() if self._pause is None else []
+            if admit or self.rows:
+                return admit
+            self._cond.wait(timeout=1.0)
 
-    def _ends_with_stop(self, gen, row: int, n: int, request: _Request) -> bool:
-        """Whether the response ended on a stop token or string rather than at its budget."""
-        if n == 0:
-            return False
-        if n < request.sampling.max_new_tokens:
-            return True
-        last = int(gen.responses[row, n - 1])
-        if last in self.engine.stop_token_ids(request.sampling):
-            return True
-        # A stop string completed by the last budgeted token (one completed earlier would have ended
-        # the row sooner, n < max_new_tokens): it stopped, as vLLM reports it. Same text HF checks.
-        if request.sampling.stop:
-            text = self.engine.tokenizer.decode(gen.responses[row, :n], skip_special_tokens=True)
-            return any(s in text for s in request.sampling.stop)
-        return False
+    def _take_pending(self) -> list[_Request]:
+        taken, width = [], 0
+        while self._pending and len(self.rows) + len(taken) < self.max_batch_size:
+            request = self._pending[0]
+            if request.cancelled:
+                self._pending.popleft()
+                continue
+            width = max(width, len(request.prompt_ids))
+            if taken and width * (len(taken) + 1) > self.max_prefill_tokens:
+                break
+            taken.append(self._pending.popleft())
+        return taken
+
+    def _admit(self, requests: list[_Request]) -> None:
+        now = time.perf_counter()
+        logits = self.batch.admit([r.prompt_ids for r in requests])
+        rows = [_Row(r, frozenset(self.engine.stop_token_ids(r.sampling)), _sampling_key(r.sampling), now)
+                for r in requests]
+        self._sample(rows, logits)
+        self.rows += rows
+
+    def _step(self) -> None:
+        tokens = torch.tensor([row.tokens[-1] for row in self.rows], dtype=torch.long)
+        self.peak_batch = max(self.peak_batch, len(self.rows))
+        self.steps += 1
+        self._sample(self.rows, self.batch.step(tokens))
+
+    def _recompute_cache(self) -> None:
+        """New weights under running rows: their cache again, from their ids (all but the pending token)."""
+        self._recompute = False
+        rows, self.rows = self.rows, []
+        self.batch.reset()
+        if rows:
+            self.batch.admit([row.request.prompt_ids + row.tokens[:-1] for row in rows])
+            self.rows = rows
+
+    def _sample(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        version = self.policy_version
+        groups: dict[SamplingSettings, list[int]] = collections.defaultdict(list)
+        for i, row in enumerate(rows):
+            groups[row.key].append(i)
+        for key, index in groups.items():
+            sub = logits if len(index) == len(rows) else logits[torch.tensor(index)]
+            tokens, log_probs, top = sample_next(sub, key, self.generator)
+            top = None if top is None else [list(zip(i, v)) for i, v in zip(top[0].tolist(), top[1].tolist())]
+            for j, (token, log_prob) in enumerate(zip(tokens.tolist(), log_probs.tolist())):
+                row = rows[index[j]]
+                row.tokens.append(token)
+                row.log_probs.append(log_prob)
+                row.versions.append(version)
+                if top is not None:
+                    row.top = (row.top or []) + [top[j]]
+                row.finish = self._finish_reason(row)
+
+    def _finish_reason(self, row: _Row) -> str | None:
+        s = row.request.sampling
+        if row.tokens[-1] in row.stop_ids:
+            return "stop"
+        if s.stop:  # the same text HFEngine checks: the response only, special tokens skipped
+            text = self.engine.tokenizer.decode(row.tokens, skip_special_tokens=True)
+            if any(stop in text for stop in s.stop):
+                return "stop"
+        return "length" if len(row.tokens) >= s.max_new_tokens else None
+
+    def _retire(self, posts: dict) -> None:
+        """Post the streaming rows' new tokens and the finished rows' completions; drop them from the batch."""
+        keep = []
+        for i, row in enumerate(self.rows):
+            request = row.request
+            if request.cancelled:
+                continue
+            if request.chunks is not None and len(row.tokens) > row.sent:
+                posts[request.loop].append((request.chunks.put_nowait, _chunk(row)))
+            if row.finish is None:
+                keep.append(i)
+                continue
+            completion = Completion(row.tokens, row.log_probs, row.finish, row.versions, engine_id=self.engine_id,
+                                    metrics={"engine/queue_s": row.admitted_at - request.queued_at},
+                                    top_logprobs=row.top)
+            if request.chunks is not None:
+                posts[request.loop].append((request.chunks.put_nowait, completion))
+            else:
+                posts[request.loop].append((_resolve(request.future), completion))
+        self.batch.keep(keep)
+        self.rows = [self.rows[i] for i in keep]
 
     # ------------------------------------------------------------------ weights
     async def begin_update(self, version: int, in_flight: bool = False) -> None:
-        self._ensure_loop()
-        if self._updating:
+        if self._update is not None:
             raise RuntimeError("begin_update while another weight update is in progress")
-        self._updating, self._update_started = True, time.perf_counter()
-        self._resume.clear()  # the batching loop starts no new call ...
-        await self._idle.wait()  # ... and the one in flight finishes (HF cannot pause mid-call)
-        self._pending_version = version
+        self._ensure_thread()
+        self._update = {"version": version, "start": time.perf_counter(), "in_flight": in_flight}
+        with self._cond:
+            self._pause = "keep" if in_flight else "drain"
+            self._cond.notify_all()
+        if not await asyncio.to_thread(self._wait_parked, self.update_timeout_s):
+            with self._cond:
+                self._pause, self._update = None, None
+                self._cond.notify_all()
+            raise TimeoutError(f"engine {self.engine_id}: the requests in flight did not let a weight update "
+                               f"in within {self.update_timeout_s:g}s")
+
+    def _wait_parked(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._parked, timeout=timeout_s)
 
     async def load_bucket(self, bucket: WeightBucket) -> None:
-        if not self._updating:
+        if self._update is None:
             raise RuntimeError("load_bucket outside begin_update / finish_update")
-        self.engine.load_partial(bucket.tensors())
+        self.engine.load_partial(bucket.tensors())  # the engine thread is parked
 
     async def finish_update(self) -> dict[str, float]:
-        if not self._updating:
+        if self._update is None:
             raise RuntimeError("finish_update without begin_update")
-        self.policy_version = self._pending_version
-        self._updating = False
-        self._resume.set()
-        return {"engine/weight_update_s": time.perf_counter() - self._update_started,
+        update, self._update = self._update, None
+        with self._cond:
+            self.policy_version = update["version"]
+            self._recompute = bool(self.rows)
+            self._pause, self._parked = None, False  # a next begin_update waits for the thread to park again
+            self._cond.notify_all()
+        return {"engine/weight_update_s": time.perf_counter() - update["start"],
                 "engine/policy_version": float(self.policy_version)}
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        with self._cond:
+            self._closing = True
+            pending, self._pending = list(self._pending), collections.deque()
+            self._cond.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        posts: dict = collections.defaultdict(list)
+        for request in pending + [row.request for row in self.rows]:
+            _fail(posts, request, RuntimeError(f"engine {self.engine_id} closed"))
+        _post(posts)
+
+
+def _sampling_key(s: SamplingSettings) -> SamplingSettings:
+    return dataclasses.replace(s, max_new_tokens=1, seed=None, stop=(), stop_token_ids=(), ignore_eos=False)
+
+
+def sample_next(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator):
+    """(tokens, their log-probs, top (ids, log-probs) or None) of one step for rows of one setting:
+    HF's warpers, then argmax (greedy) or a draw from the softmax, log-probs of the warped scores."""
+    scores = logits.float()
+    if not settings.greedy:
+        for warper in sampling_warpers(settings):
+            scores = warper(None, scores)
+    log_probs = torch.log_softmax(scores, dim=-1)
+    if settings.greedy:
+        tokens = scores.argmax(dim=-1)
+    else:
+        tokens = torch.multinomial(scores.softmax(dim=-1), 1, generator=generator).squeeze(1)
+    top = None
+    if settings.top_logprobs:
+        values, ids = log_probs.topk(settings.top_logprobs, dim=-1)
+        top = (ids, values)
+    return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(1), top
+
+
+def _chunk(row: _Row) -> TokenChunk:
+    start, row.sent = row.sent, len(row.tokens)
+    return TokenChunk(row.tokens[start:], row.log_probs[start:], row.versions[start:],
+                      None if row.top is None else row.top[start:])
+
+
+def _resolve(future: asyncio.Future):
+    def set_result(value) -> None:
+        if not future.done():
+            future.set_result(value)
+    return set_result
+
+
+def _fail(posts: dict, request: _Request, exc: BaseException) -> None:
+    if request.chunks is not None:
+        posts[request.loop].append((request.chunks.put_nowait, exc))
+    else:
+        def set_exception(_: object, future: asyncio.Future = request.future) -> None:
+            if not future.done():
+                future.set_exception(exc)
+        posts[request.loop].append((set_exception, None))
+
+
+def _post(posts: dict) -> None:
+    """One callback per event loop for this step's results (a closed loop's requests are gone)."""
+    for loop, calls in posts.items():
+        def run(calls: list = calls) -> None:
+            for fn, value in calls:
+                fn(value)
+        try:
+            loop.call_soon_threadsafe(run)
+        except RuntimeError:
+            pass

@@ -173,7 +173,7 @@ class HFEngine(Engine):
         # can run after them: HF puts a caller's processors before its own warpers. The config then
         # asks for none (temperature 1, top_k 0: left unset, HF would fill in its default of 50).
         scores = _LogProbRecorder(settings.top_logprobs)
-        processors = LogitsProcessorList([] if settings.greedy else _warpers(settings))
+        processors = LogitsProcessorList([] if settings.greedy else sampling_warpers(settings))
         processors.append(scores)
         config = GenerationConfig(
             do_sample=not settings.greedy,
@@ -233,7 +233,7 @@ class HFEngine(Engine):
             params[name].copy_(tensor)
 
 
-def _warpers(settings: SamplingSettings) -> list[LogitsProcessor]:
+def sampling_warpers(settings: SamplingSettings) -> list[LogitsProcessor]:
     """HF's sampling warpers for ``settings``, as ``generate`` itself would build them."""
     warpers: list[LogitsProcessor] = []
     if settings.temperature != 1.0:

@@ -1,6 +1,7 @@
-"""Asynchronous engines against the synchronous HF engine: concurrent requests batched, per-request
-budgets and finish reasons, version stamps, bucketed weight updates; vLLM's AsyncLLM (one fp32
-engine) with an update in the middle of a request (partial rollout)."""
+"""Asynchronous engines against the synchronous HF engine: concurrent requests batched, requests that
+join a running batch at staggered times, per-request budgets and finish reasons, streaming, version
+stamps, bucketed weight updates between requests and in the middle of one; vLLM's AsyncLLM (one
+fp32 engine) with an update in the middle of a request (partial rollout)."""
 
 import asyncio
 import dataclasses
@@ -12,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rlcore.engines.async_base import Completion
+from rlcore.engines.async_base import Completion, TokenChunk
 from rlcore.engines.async_hf import AsyncHFEngine
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.engines.hf_engine import HFEngine
@@ -73,23 +74,18 @@ def reference(engine: HFEngine, prompt: list[int], sampling: SamplingSettings) -
     return out.responses[0, :n].tolist(), out.log_probs[0, :n]
 
 
-class CountCalls:
-    """Counts the batched generate calls an AsyncHFEngine makes (and the rows of each)."""
+class Peak:
+    """The most rows an AsyncHFEngine decoded in one step while inside this block."""
 
     def __init__(self, async_engine):
-        self.inner, self.rows = async_engine.engine, []
-        self.generate = self.inner.generate
-
-    def __call__(self, input_ids, *args):
-        self.rows.append(len(input_ids))
-        return self.generate(input_ids, *args)
+        self.engine = async_engine
 
     def __enter__(self):
-        self.inner.generate = self
+        self.engine.peak_batch = 0
         return self
 
     def __exit__(self, *exc):
-        self.inner.generate = self.generate
+        self.rows = self.engine.peak_batch
 
 
 def assert_matches(completion: Completion, tokens: list[int], log_probs: torch.Tensor) -> None:
@@ -103,9 +99,9 @@ def test_concurrent_greedy_equals_sync_hf_per_prompt(engine, hf, tok):
     async def run():
         return await asyncio.gather(*[engine.generate(p, GREEDY, session_id=i) for i, p in enumerate(prompts)])
 
-    with CountCalls(engine) as calls:
+    with Peak(engine) as peak:
         outs = asyncio.run(run())
-    assert calls.rows == [len(PROMPTS)]  # one batched, left-padded call for all of them
+    assert peak.rows == len(PROMPTS)  # one running batch, left-padded, for all of them
     reasons = []
     for prompt, out in zip(prompts, outs):
         tokens, log_probs = reference(hf, prompt, GREEDY)
@@ -125,8 +121,7 @@ def test_concurrent_greedy_equals_sync_hf_per_prompt(engine, hf, tok):
 
 
 def test_per_request_budgets_and_finish_reasons_in_one_batch(engine, hf, tok):
-    """Requests that differ only in max_new_tokens share one call (run to the longest budget) and
-    each is cut to its own; a request with other stop ids is a group of its own."""
+    """Requests with other budgets and other stop ids share one running batch; each stops at its own."""
     full = {t: reference(hf, ids(tok, t), GREEDY) for t in ("a", "hello", "1+1=", "2+2=")}
     eos_at = full["1+1="][0].index(tok.eos_token_id) + 1
     assert eos_at == 5 and len(full["hello"][0]) == 12  # what the tiny model (seed 0) does
@@ -140,9 +135,9 @@ def test_per_request_budgets_and_finish_reasons_in_one_batch(engine, hf, tok):
                                                                      stop_token_ids=(stop_id,)))
         return await asyncio.gather(*plain, stop)
 
-    with CountCalls(engine) as calls:
+    with Peak(engine) as peak:
         *outs, stopped = asyncio.run(run())
-    assert sorted(calls.rows) == [1, len(requests)]  # two sampling groups, one call each
+    assert peak.rows == len(requests) + 1  # all in one batch
     expected = [(2, "length"), (6, "length"), (eos_at, "stop"), (eos_at, "stop"), (eos_at - 1, "length")]
     for (text, budget), out, (n, reason) in zip(requests, outs, expected):
         tokens, log_probs = full[text]
@@ -167,9 +162,9 @@ def test_a_stop_string_completed_by_the_last_budgeted_token_is_a_stop(engine, hf
         return await asyncio.gather(*[engine.generate(ids(tok, "hello"), dataclasses.replace(stop, max_new_tokens=m))
                                       for m in (4, 6, 3)])
 
-    with CountCalls(engine) as calls:
+    with Peak(engine) as peak:
         outs = asyncio.run(run())
-    assert calls.rows == [3]
+    assert peak.rows == 3
     for out, (n, reason) in zip(outs, [(4, "stop"), (4, "stop"), (3, "length")]):
         assert_matches(out, tokens[:n], log_probs[:n])
         assert out.finish_reason == reason, (n, reason)
@@ -182,9 +177,9 @@ def test_max_batch_size_splits_the_pending_requests(model_dir, hf, tok):
     async def run():
         return await asyncio.gather(*[engine.generate(p, GREEDY) for p in prompts])
 
-    with CountCalls(engine) as calls:
+    with Peak(engine) as peak:
         outs = asyncio.run(run())
-    assert calls.rows == [2, 2, 1]
+    assert peak.rows == 2  # the others waited for a free row
     for prompt, out in zip(prompts, outs):
         assert_matches(out, *reference(hf, prompt, GREEDY))
 
@@ -203,40 +198,42 @@ def test_request_checks(engine, tok):
         Completion([1], [0.0], "eos", [0])
 
 
-class SlowCall:
-    """Makes the engine's next batched calls signal when they start, then take ``delay_s`` longer."""
+class SlowStep:
+    """Makes the engine's decode steps signal when one starts, then take ``delay_s`` longer."""
 
-    def __init__(self, async_engine, delay_s=0.3):
-        self.inner, self.delay_s = async_engine.engine, delay_s
-        self.generate = self.inner.generate
+    def __init__(self, async_engine, delay_s=0.05):
+        self.batch, self.delay_s = async_engine.batch, delay_s
         self.started = threading.Event()
+        self.count = 0
 
-    def __call__(self, *args):
+    def __call__(self, tokens):
+        self.count += 1
         self.started.set()
         time.sleep(self.delay_s)
-        return self.generate(*args)
+        return type(self.batch).step(self.batch, tokens)
 
     def __enter__(self):
-        self.inner.generate = self
+        self.batch.step = self
         return self
 
     def __exit__(self, *exc):
-        self.inner.generate = self.generate
+        del self.batch.step
 
 
 def _update_around_requests(engine, prompts, state, version):
-    """Request A in a generate call when the update begins, request B queued behind it; the
-    update (bucketed); then every prompt. Returns A, B, the update's metrics, the rest, #buckets."""
+    """Request A decoding when the update begins, request B sent after it began; the update
+    (bucketed); then every prompt. Returns A, B, the update's metrics, the rest, #buckets."""
 
     async def run():
-        with SlowCall(engine) as slow:
+        buckets = list(pack_buckets(state.items(), BUCKET))
+        with SlowStep(engine) as slow:
             running = asyncio.create_task(engine.generate(prompts[1], GREEDY))
-            await asyncio.to_thread(slow.started.wait, 30)  # A is inside its generate call
+            await asyncio.to_thread(slow.started.wait, 30)  # A is in the running batch
+            update = asyncio.create_task(engine.update_weights(buckets, version))
+            await asyncio.sleep(0)  # the update has begun: the engine admits no one now
             queued = asyncio.create_task(engine.generate(prompts[2], GREEDY))
-            await asyncio.sleep(0)  # B is in the queue
-            buckets = list(pack_buckets(state.items(), BUCKET))
-            metrics = await engine.update_weights(buckets, version)
-            assert running.done()  # the update waited for the call in flight
+            metrics = await update
+            assert running.done()  # the update waited for the request in flight
         after = await asyncio.gather(*[engine.generate(p, GREEDY) for p in prompts])
         return await running, await queued, metrics, after, len(buckets)
 
@@ -251,9 +248,9 @@ def test_update_weights_in_buckets_changes_greedy_and_stamps_the_version(engine,
 
     running, queued, metrics, after, num_buckets = _update_around_requests(engine, prompts, new_state, version=1)
     assert num_buckets > 1
-    assert_matches(running, *old[1])  # HF finishes the call in flight with the old weights ...
+    assert_matches(running, *old[1])  # the request in flight finishes with the old weights ...
     assert running.policy_versions == [0] * len(running.token_ids)
-    assert_matches(queued, *new[2])  # ... a request still waiting for a call gets the new ones
+    assert_matches(queued, *new[2])  # ... one that came during the update gets the new ones
     assert queued.policy_versions == [1] * len(queued.token_ids)
     assert engine.policy_version == 1 and metrics["engine/policy_version"] == 1.0
     assert metrics["engine/weight_update_s"] >= 0
@@ -298,6 +295,131 @@ def test_update_protocol_errors(model_dir, new_state):
         await engine.close()
 
     asyncio.run(run())
+
+
+def test_requests_joining_a_running_batch_each_equal_a_solo_generate(model_dir, hf, tok):
+    """Token-level continuous batching: requests arrive at staggered times, join the batch between
+    decode steps and leave when done (others still running); each one's greedy tokens and
+    log-probs are those of HF generate on its prompt alone."""
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())
+    budgets = [20, 3, 12, 1, 16, 7, 24, 5]
+
+    async def one(i, text):
+        await asyncio.sleep(0.02 * i)
+        return await engine.generate(ids(tok, text), dataclasses.replace(GREEDY, max_new_tokens=budgets[i]))
+
+    async def run():
+        with SlowStep(engine, delay_s=0.005) as slow:
+            outs = await asyncio.gather(*[one(i, t) for i, t in enumerate(PROMPTS)])
+        return outs, slow.count
+
+    with Peak(engine) as peak:
+        outs, steps = asyncio.run(run())
+    for text, budget, out in zip(PROMPTS, budgets, outs):
+        assert_matches(out, *reference(hf, ids(tok, text), dataclasses.replace(GREEDY, max_new_tokens=budget)))
+    assert 1 < peak.rows < len(PROMPTS) or steps < sum(budgets)  # they overlapped, not one after another
+    assert steps < sum(budgets) and engine.rows == [] and len(engine.batch) == 0
+    asyncio.run(engine.close())
+
+
+def test_rows_of_other_sampling_settings_share_a_batch_with_their_own_processed_log_probs(model_dir, hf, tok):
+    """Temperature / top-k / top-p rows next to greedy ones: each row's log-probs are the
+    log-softmax of its own warped scores at its token (hand-computed, teacher-forced)."""
+    from engine_fixtures import hand_log_probs
+
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig(seed=3))
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    settings = [dict(temperature=0.7), dict(temperature=1.3, top_k=5), dict(temperature=1.0, top_p=0.8), {}]
+    samplings = [dataclasses.replace(GREEDY, do_sample=bool(kw), max_new_tokens=10, **kw) for kw in settings]
+    prompts = [ids(tok, t) for t in PROMPTS[:4]]
+
+    async def run():
+        return await asyncio.gather(*[engine.generate(p, s) for p, s in zip(prompts, samplings)])
+
+    with Peak(engine) as peak:
+        outs = asyncio.run(run())
+    assert peak.rows == 4
+    for prompt, kw, out in zip(prompts, settings, outs):
+        expected = hand_log_probs(model, prompt, out.token_ids, **kw)
+        torch.testing.assert_close(torch.tensor(out.log_probs), expected, atol=LOGPROB_TOL, rtol=0)
+    assert_matches(outs[3], *reference(hf, prompts[3], samplings[3]))
+    asyncio.run(engine.close())
+
+
+def test_streaming_yields_the_tokens_as_they_come_then_the_same_completion(engine, tok):
+    prompt = ids(tok, "hello")
+    long = dataclasses.replace(GREEDY, max_new_tokens=24, ignore_eos=True)
+
+    async def run():
+        arrivals, items = [], []
+        with SlowStep(engine, delay_s=0.01):
+            async for item in engine.generate_stream(prompt, long):
+                arrivals.append(time.perf_counter())
+                items.append(item)
+        return items, arrivals, await engine.generate(prompt, long)
+
+    items, arrivals, whole = asyncio.run(run())
+    *chunks, final = items
+    assert isinstance(final, Completion) and all(isinstance(c, TokenChunk) for c in chunks)
+    assert len(chunks) > 10  # token by token, not the turn at once
+    assert arrivals[-1] - arrivals[0] > 0.1  # the first chunk came well before the end (24 steps of >= 10 ms)
+    assert [t for c in chunks for t in c.token_ids] == final.token_ids == whole.token_ids
+    assert [lp for c in chunks for lp in c.log_probs] == final.log_probs
+    assert [v for c in chunks for v in c.policy_versions] == final.policy_versions
+
+
+def test_a_caller_that_goes_away_leaves_the_batch(model_dir, tok):
+    """A cancelled request and a stream closed early are dropped at the next step, not run to the end."""
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())
+    long = dataclasses.replace(GREEDY, max_new_tokens=2000, ignore_eos=True)
+
+    async def run():
+        with SlowStep(engine, delay_s=0.002) as slow:
+            task = asyncio.create_task(engine.generate(ids(tok, "a"), long))
+            await asyncio.to_thread(slow.started.wait, 30)
+            task.cancel()
+            stream = engine.generate_stream(ids(tok, "b"), long)
+            first = await anext(stream)
+            await stream.aclose()
+            for _ in range(500):
+                if not engine.rows and engine.num_running() == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return first, slow.count
+
+    first, steps = asyncio.run(run())
+    assert isinstance(first, TokenChunk) and engine.rows == [] and engine.num_running() == 0
+    assert steps < 1000  # far from the 2000 tokens either would have run to
+    asyncio.run(engine.close())
+
+
+def test_an_update_in_flight_switches_versions_between_two_steps(model_dir, hf, hf_new, tok, new_state):
+    """Partial rollout on HF: the swap lands between two decode steps of a running request; tokens
+    before it are the old weights' greedy ones, after it the new weights' greedy continuation of
+    the context so far (its KV recomputed), and ``policy_versions`` says where."""
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())
+    prompt = ids(tok, "7*8=")
+    long = dataclasses.replace(GREEDY, max_new_tokens=24, ignore_eos=True)
+    old_tokens, _ = reference(hf, prompt, long)
+
+    async def run():
+        with SlowStep(engine, delay_s=0.01) as slow:
+            task = asyncio.create_task(engine.generate(prompt, long))
+            while slow.count < 6:
+                await asyncio.sleep(0.005)
+            metrics = await engine.update_weights(pack_buckets(new_state.items(), BUCKET), 1, in_flight=True)
+            return await task, metrics
+
+    out, metrics = asyncio.run(run())
+    k = out.policy_versions.index(1)
+    assert 0 < k < len(out.token_ids) and out.policy_versions == [0] * k + [1] * (len(out.token_ids) - k)
+    assert out.token_ids[:k] == old_tokens[:k]
+    new_tokens, new_log_probs = reference(hf_new, prompt + out.token_ids[:k],
+                                          dataclasses.replace(long, max_new_tokens=len(out.token_ids) - k))
+    assert out.token_ids[k:] == new_tokens and out.token_ids != old_tokens
+    torch.testing.assert_close(torch.tensor(out.log_probs[k:]), new_log_probs, atol=LOGPROB_TOL, rtol=0)
+    assert metrics["engine/policy_version"] == 1.0 == engine.policy_version
+    asyncio.run(engine.close())
 
 
 # ------------------------------------------------------------------ vLLM (one fp32 engine)
