@@ -61,7 +61,7 @@ def tasks(n: int, seed: int) -> list[dict]:
 
 def run_lockstep(engine, tok, task_list, sampling, latency, args) -> dict:
     rollout = MultiTurnRollout(engine, tok, lambda: make_env("arithmetic_retry", tok, step_latency_s=latency),
-                               args.max_turns, args.max_total_tokens, sampling)
+                               args.max_turns, args.max_total_tokens, sampling, step_timeout_s=600.0)
     start, tokens = time.perf_counter(), 0
     for i in range(0, len(task_list), args.concurrency):
         batch = task_list[i:i + args.concurrency]
@@ -117,6 +117,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="a few episodes: proves the benchmark runs")
+    p.add_argument("--no-lockstep", action="store_true", help="only (b) and (c): their ratio, sooner")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.quick:
@@ -140,13 +141,17 @@ def main() -> None:
                                  spec.max_total_tokens, step_timeout_s=600.0)
         b, recorder = await run_async(engine, async_spec, task_list, args.concurrency)
         c = await run_bare(engine, recorder.requests, args.concurrency)
+        print(f"  async {b['tokens'] / b['seconds']:.0f} tokens/s, bare {c['tokens'] / c['seconds']:.0f} tokens/s: "
+              f"async / bare = {b['tokens'] / b['seconds'] / (c['tokens'] / c['seconds']):.2f}", flush=True)
         await engine.close()
         return {"latency_s": latency, "turn_s": turn_s, "async": b, "bare": c}
 
     res = asyncio.run(async_part(None if args.latency == "auto" else float(args.latency)))
-    sync_engine = build_engine(model_cfg, rollout_cfg)
-    a = run_lockstep(sync_engine, tok, task_list, sampling, res["latency_s"], args)
-    res["lockstep"] = a
+    if args.no_lockstep:
+        res["lockstep"] = {"seconds": float("nan"), "tokens": 0}
+    else:
+        sync_engine = build_engine(model_cfg, rollout_cfg)
+        res["lockstep"] = run_lockstep(sync_engine, tok, task_list, sampling, res["latency_s"], args)
     for key in ("lockstep", "async", "bare"):
         r = res[key]
         r["episodes_per_s"] = args.episodes / r["seconds"] if key != "bare" else float("nan")

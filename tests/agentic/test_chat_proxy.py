@@ -35,15 +35,17 @@ CALL_TEXT = '<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</to
 
 
 class Recording:
-    """The router, with every completion it returned written down (what the engine sampled)."""
+    """The router, with every completion it returned written down (what the engine sampled), in
+    the order the requests were made (the engine batches them and may finish them in any order)."""
 
     def __init__(self, router: AsyncSessionRouter) -> None:
         self.router, self.calls = router, []
 
     async def generate(self, prompt_ids, sampling, session_id=None):
-        completion = await self.router.generate(prompt_ids, sampling, session_id)
-        self.calls.append((session_id, list(prompt_ids), completion))
-        return completion
+        call = [session_id, list(prompt_ids), None]
+        self.calls.append(call)
+        call[2] = await self.router.generate(prompt_ids, sampling, session_id)
+        return call[2]
 
     def release(self, session_id) -> None:
         self.router.release(session_id)
