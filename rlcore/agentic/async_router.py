@@ -6,7 +6,9 @@ engine with the fewest live sessions (ties: the fewest requests running). When a
 (``EngineDiedError``), it is taken out of the rotation, its sessions are re-homed on the next
 ``generate``, and the turn in flight is retried there from the same context ids: a retried turn is
 token-exact, it only loses the dead engine's cache. The run goes on with the engines left; when
-none is left, the error says so.
+none is left, the error says so. ``generate_stream`` routes the same way; a stream is retried
+elsewhere only if its engine died before sending anything (tokens a client has seen are not
+taken back), and closing it closes the engine's stream (which cancels the request).
 
 Engines here are ``AsyncEngine``s: in this process, or ``RemoteEngine``s over engine servers in
 Ray actors of their own. (These engines are not HTTP servers, so vllm-router, which fronts HTTP
@@ -15,9 +17,10 @@ engines, has nothing to front here; Ray carries the calls.)
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+import contextlib
+from collections.abc import AsyncIterator, Hashable, Sequence
 
-from rlcore.engines.async_base import AsyncEngine, Completion
+from rlcore.engines.async_base import AsyncEngine, Completion, TokenChunk
 from rlcore.engines.base import SamplingSettings
 from rlcore.engines.server import EngineDiedError
 
@@ -65,6 +68,26 @@ class AsyncSessionRouter:
                 continue
             completion.engine_id = index
             return completion
+        raise AssertionError("unreachable")
+
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                              session_id: Hashable | None = None) -> AsyncIterator[TokenChunk | Completion]:
+        for attempt in range(self.max_retries + 1):
+            index, sent = self.engine_for(session_id), False
+            try:
+                items = self.engines[index].generate_stream(prompt_ids, sampling, session_id)
+                async with contextlib.aclosing(items):
+                    async for item in items:
+                        if isinstance(item, Completion):
+                            item.engine_id = index
+                        sent = True
+                        yield item
+                return
+            except EngineDiedError:
+                self.alive[index] = False
+                if sent or attempt == self.max_retries or not any(self.alive):
+                    raise
+                self.retries += 1
         raise AssertionError("unreachable")
 
     def release(self, session_id: Hashable) -> None:

@@ -20,9 +20,11 @@ the trainer's log-probs refer to them, whatever temperature the agent's code ask
 evaluation). A reply is bounded by the run's per-turn cap, the request's ``max_tokens`` and the
 room left in the session's context (``max_total_tokens``).
 
-Streaming: the engine returns a turn whole (``AsyncEngine.generate``); the proxy then sends it as
-deltas, one token's text each, so the client's streaming code path is the real one, though the
-first delta comes when the turn is done.
+Streaming: ``stream=true`` sends the reply's text as the engine samples it (``generate_stream``,
+through the router and the engine server; ``rlcore.agentic.chat_stream``): only stable text (whole
+characters, never part of a stop string or of a tool call), tool calls whole at the end. The
+session records the same reply as the non-streamed path would; a client that hangs up mid-stream
+cancels the request in the engine and leaves nothing recorded.
 
 Safety: binds 127.0.0.1 on a port the kernel picks; every request carries ``Bearer <key>`` where
 the key is an HMAC of the session id under a per-run secret, so one session's key opens no other
@@ -50,6 +52,7 @@ from starlette.exceptions import HTTPException
 
 from rlcore.agentic.chat import ChatDelta
 from rlcore.agentic.chat_session import ChatSession, Reply, RequestError
+from rlcore.agentic.chat_stream import StreamedTurn
 from rlcore.agentic.episode import Generator, Trajectory
 from rlcore.agentic.openai_wire import (
     ChatRequest,
@@ -58,7 +61,6 @@ from rlcore.agentic.openai_wire import (
     error_body,
     logprobs_content,
     parse_request,
-    stream_chunks,
 )
 from rlcore.agentic.tool_calls import parse_tool_calls
 from rlcore.engines.base import SamplingSettings
@@ -234,6 +236,8 @@ class ChatProxy:
         return replace(s, **changes)
 
     async def _complete(self, session: ChatSession, req: ChatRequest):
+        if req.stream:
+            return await self._stream(session, req)
         async with session.lock:
             context = session.context_for(req.messages, req.tools)
             sampling = self._sampling_for(req, session.room())
@@ -251,17 +255,27 @@ class ChatProxy:
                 pieces.append(token_pieces)
             session.record(replies)
         rid, model = completion_id(), self.config.model_name
-        if not req.stream:
-            logprobs = [[lp for _, lp in p] for p in pieces] if req.logprobs else None
-            return JSONResponse(completion_response(rid, model, len(context), replies, finish, logprobs))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        logprobs = [[lp for _, lp in p] for p in pieces] if req.logprobs else None
+        return JSONResponse(completion_response(rid, model, len(context), replies, finish, logprobs))
 
-        async def events():
-            for chunk in stream_chunks(rid, model, len(context), replies, finish, pieces, include_usage):
-                yield f"data: {json.dumps(chunk)}\n\n"
-            yield "data: [DONE]\n\n"
+    async def _stream(self, session: ChatSession, req: ChatRequest) -> StreamingResponse:
+        """A streamed reply: the session's lock is taken here (a bad request is still a 4xx) and handed
+        to the turn's producer, which releases it when done."""
+        await asyncio.wait_for(session.lock.acquire(), timeout=self.config.request_timeout_s)
+        try:
+            context = session.context_for(req.messages, req.tools)
+            turn = StreamedTurn(self, session, req, context, self._sampling_for(req, session.room()), completion_id())
+        except BaseException:
+            session.lock.release()
+            raise
+        return StreamingResponse(turn.start().events(), media_type="text/event-stream")
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+    def engine_stream(self, context: list[int], sampling: SamplingSettings, session_id: Hashable):
+        """The generator's token stream for one choice; a generator that cannot stream gives the turn whole."""
+        stream = getattr(self.generator, "generate_stream", None)
+        if stream is not None:
+            return stream(context, sampling, session_id)
+        return _whole(self.generator.generate(context, sampling, session_id))
 
     def _reply(self, c, stops: tuple[str, ...], req: ChatRequest) -> tuple[Reply, str, list]:
         """The assistant message of one completion, its finish reason, and its content token by token
@@ -296,6 +310,10 @@ class ChatProxy:
             out.append(text[len(previous):] if text.startswith(previous) else "")
             previous = text if text.startswith(previous) else previous
         return out
+
+
+async def _whole(completion):
+    yield await completion
 
 
 def session_trajectories(session: ChatSession, reward: float, info: dict[str, float] | None = None,

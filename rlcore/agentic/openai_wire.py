@@ -12,6 +12,7 @@ are refused with a 400 rather than silently ignored; unknown extra fields (``use
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -105,12 +106,16 @@ def usage(prompt_tokens: int, replies: list[Reply]) -> dict[str, int]:
 def logprobs_content(reply: Reply, token_text) -> list[dict[str, Any]]:
     """OpenAI's ``logprobs.content``: per sampled token its text, log-prob, bytes, and the top ones."""
     c = reply.completion
-    top = c.top_logprobs or [[] for _ in c.token_ids]
+    return token_logprobs(c.token_ids, c.log_probs, c.top_logprobs, token_text)
+
+
+def token_logprobs(token_ids: list[int], log_probs: list[float], top: list | None, token_text) -> list[dict[str, Any]]:
+    """``logprobs.content`` entries of these tokens (``top``: per token its (id, log-prob) alternatives)."""
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
     return [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in alts]}
-            for t, lp, alts in zip(c.token_ids, c.log_probs, top)]
+            for t, lp, alts in zip(token_ids, log_probs, top or [[] for _ in token_ids])]
 
 
 def completion_response(rid: str, model: str, prompt_tokens: int, replies: list[Reply], finish: list[str],
@@ -122,31 +127,21 @@ def completion_response(rid: str, model: str, prompt_tokens: int, replies: list[
             "choices": choices, "usage": usage(prompt_tokens, replies)}
 
 
-def stream_chunks(rid: str, model: str, prompt_tokens: int, replies: list[Reply], finish: list[str],
-                  pieces: list[list[tuple[str, dict | None]]], include_usage: bool):
-    """The chunks of a streamed reply, in order: per choice its role, its content one token's text
-    at a time (with that token's log-probs when asked: ``pieces``), its tool calls whole, its finish
-    reason; then the usage chunk if asked."""
-    created = int(time.time())
+def chunk(rid: str, model: str, created: int, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` of a streamed reply."""
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices,
+            **extra}
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": choices, **extra}
 
-    for i, reply in enumerate(replies):
-        yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        calls = reply.message.get("tool_calls") or []
-        if calls:  # the text around the calls in one piece, then each call whole
-            texts = [(reply.message["content"], None)] if reply.message.get("content") else []
-        else:
-            texts = pieces[i]
-        for text, logprob in texts:
-            choice: dict[str, Any] = {"index": i, "delta": {"content": text}, "finish_reason": None}
-            if logprob is not None:
-                choice["logprobs"] = {"content": [logprob]}
-            yield chunk([choice])
-        for k, call in enumerate(calls):
-            yield chunk([{"index": i, "delta": {"tool_calls": [{"index": k, **call}]}, "finish_reason": None}])
-        yield chunk([{"index": i, "delta": {}, "finish_reason": finish[i]}])
-    if include_usage:
-        yield chunk([], usage=usage(prompt_tokens, replies))
+def delta(index: int, fields: dict[str, Any], finish_reason: str | None = None,
+          logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One choice's part of a chunk: its ``delta`` (role, content or tool calls), then its finish reason."""
+    out: dict[str, Any] = {"index": index, "delta": fields, "finish_reason": finish_reason}
+    if logprobs:
+        out["logprobs"] = {"content": logprobs}
+    return out
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    """A server-sent event line pair, as OpenAI streams them."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"

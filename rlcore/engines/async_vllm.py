@@ -4,6 +4,11 @@ Every ``generate`` is one vLLM request (token ids in, token ids and processed lo
 concurrent requests are batched by vLLM's scheduler step by step, so a request that arrives
 while others decode joins the next step. vLLM runs its engine core in a subprocess of its own.
 
+Streaming (``generate_stream``): the same request with ``RequestOutputKind.DELTA``, each step's
+new tokens yielded as vLLM hands them over; closing the stream aborts the request in vLLM. vLLM
+reports version spans only with the final output, so a chunk is stamped with the version loaded
+when it arrived and the final ``Completion`` carries the exact ones.
+
 Per-token versions come from vLLM itself: its engine core stamps every step's output with its
 current weight version, and the final output lists them as spans over the output tokens. A
 weight update sets that version (``update_weight_version``) while generation is paused, so the
@@ -29,11 +34,11 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Hashable, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 
 import torch
 
-from rlcore.engines.async_base import AsyncEngine, Completion
+from rlcore.engines.async_base import AsyncEngine, Completion, TokenChunk
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.engines.dtype_choice import default_vllm_dtype
 from rlcore.engines.weights import WeightBucket
@@ -75,14 +80,15 @@ class AsyncVLLMEngine(AsyncEngine):
             await self.llm.update_weight_version(str(self.policy_version))
             self._version_set = True
 
-    def _sampling_params(self, s: SamplingSettings):
+    def _sampling_params(self, s: SamplingSettings, stream: bool = False):
         from vllm import SamplingParams  # optional dependency (see __init__)
         from vllm.sampling_params import RequestOutputKind
 
         sample = dict(temperature=0.0) if s.greedy else dict(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         return SamplingParams(n=1, **sample, max_tokens=s.max_new_tokens, stop=list(s.stop) or None,
                               stop_token_ids=list(s.stop_token_ids) or None, ignore_eos=s.ignore_eos, logprobs=s.top_logprobs,
-                              detokenize=bool(s.stop), output_kind=RequestOutputKind.FINAL_ONLY)
+                              detokenize=bool(s.stop),
+                              output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
                        session_id: Hashable | None = None) -> Completion:
@@ -108,14 +114,48 @@ class AsyncVLLMEngine(AsyncEngine):
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         c = final.outputs[0]
         tokens = list(c.token_ids)
-        log_probs = [step[t].logprob for step, t in zip(c.logprobs or [], tokens)]
+        return self._completion(tokens, _log_probs(c.logprobs, tokens), _top(c.logprobs, sampling), c, start)
+
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                              session_id: Hashable | None = None) -> AsyncIterator[TokenChunk | Completion]:
+        from vllm.inputs import TokensPrompt  # optional dependency (see __init__)
+
+        if sampling.n != 1:
+            raise ValueError(f"one request samples one continuation (n=1), got n={sampling.n}")
+        await self._ensure_version()
+        request_id = f"{self.engine_id}-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        start = time.perf_counter()
+        tokens, log_probs, top, last = [], [], [] if sampling.top_logprobs else None, None
+        self._running += 1
+        self._peak_running = max(self._peak_running, self._running)
+        self._request_started()
+        outputs = self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                                    self._sampling_params(sampling, stream=True), request_id)
+        try:
+            async for out in outputs:
+                last = out.outputs[0]
+                new = list(last.token_ids)
+                if not new:
+                    continue
+                chunk = TokenChunk(new, _log_probs(last.logprobs, new), [self.policy_version] * len(new),
+                                   _top(last.logprobs, sampling))
+                tokens += chunk.token_ids
+                log_probs += chunk.log_probs
+                if top is not None:
+                    top += chunk.top_logprobs
+                yield chunk
+        finally:
+            await outputs.aclose()  # a stream closed early: vLLM aborts the request
+            self._running -= 1
+            self._request_finished()
+        if last is None:
+            raise RuntimeError(f"vLLM returned no output for request {request_id}")
+        yield self._completion(tokens, log_probs, top, last, start)
+
+    def _completion(self, tokens: list[int], log_probs: list[float], top, c, start: float) -> Completion:
+        """The Completion of a finished request (``c``: its last ``CompletionOutput``, with the version spans)."""
         versions = _versions(c.weight_versions, len(tokens), self.policy_version)
         reason = {"stop": "stop", "length": "length", "abort": "abort"}.get(str(c.finish_reason), "stop")
-        top = None
-        if sampling.top_logprobs:  # vLLM gives the top k plus the sampled token: rank them, keep k
-            k = sampling.top_logprobs
-            top = [sorted(((t, lp.logprob) for t, lp in step.items() if lp.rank is not None and lp.rank <= k),
-                          key=lambda pair: -pair[1])[:k] for step in (c.logprobs or [])]
         return Completion(tokens, log_probs, reason, versions, engine_id=self.engine_id,
                           metrics={"engine/request_s": time.perf_counter() - start}, top_logprobs=top)
 
@@ -163,6 +203,19 @@ class AsyncVLLMEngine(AsyncEngine):
 
     async def close(self) -> None:
         self.llm.shutdown()
+
+
+def _log_probs(steps, tokens: list[int]) -> list[float]:
+    return [step[t].logprob for step, t in zip(steps or [], tokens)]
+
+
+def _top(steps, sampling: SamplingSettings) -> list[list[tuple[int, float]]] | None:
+    """vLLM gives the top k plus the sampled token per step: rank them, keep k."""
+    if not sampling.top_logprobs:
+        return None
+    k = sampling.top_logprobs
+    return [sorted(((t, lp.logprob) for t, lp in step.items() if lp.rank is not None and lp.rank <= k),
+                   key=lambda pair: -pair[1])[:k] for step in (steps or [])]
 
 
 def _versions(spans, n: int, fallback: int) -> list[int]:

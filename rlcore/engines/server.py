@@ -3,8 +3,10 @@
 handle, so episode code runs unchanged against an engine in this process or in another one.
 
 The server is an async Ray actor: every ``generate`` call is a coroutine on the actor's event
-loop, so concurrent requests from many episode runners meet in the engine's own batching
-(continuous batching for vLLM, per-call batching for HF). Weight updates arrive as
+loop, so concurrent requests from many episode runners meet in the engine's own continuous
+batching. ``generate_stream`` is a Ray streaming generator (``num_returns="streaming"``): each
+chunk is an object the caller reads as soon as the engine yields it; a caller that stops
+reading cancels the actor's generator (``ray.cancel``), which closes the engine's stream. Weight updates arrive as
 ``begin_update`` / one ``load_bucket`` per bucket (a Ray object each, so an engine holds one
 bucket at a time) / ``finish_update``. Every call from a ``RemoteEngine`` has a timeout; an engine
 process that died raises ``EngineDiedError`` naming it, which routers use to re-home sessions.
@@ -16,8 +18,9 @@ imports, and starting or calling a server says that Ray is needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +37,7 @@ except ImportError:  # optional dependency: only engine servers need it
     class RayActorError(Exception):
         pass
 
-from rlcore.engines.async_base import AsyncEngine, Completion
+from rlcore.engines.async_base import AsyncEngine, Completion, TokenChunk
 from rlcore.engines.async_hf import AsyncHFEngine
 from rlcore.engines.async_vllm import AsyncVLLMEngine
 from rlcore.engines.base import RolloutConfig, SamplingSettings
@@ -71,6 +74,13 @@ class EngineServer:
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
                        session_id: Hashable | None = None) -> Completion:
         return await self.engine.generate(prompt_ids, sampling, session_id)
+
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                              session_id: Hashable | None = None) -> AsyncIterator[TokenChunk | Completion]:
+        items = self.engine.generate_stream(prompt_ids, sampling, session_id)
+        async with contextlib.aclosing(items):  # cancelled by the caller: the engine drops the request
+            async for item in items:
+                yield item
 
     async def begin_update(self, version: int, in_flight: bool = False) -> None:
         await self.engine.begin_update(version, in_flight)
@@ -154,6 +164,11 @@ def engine_idle_metrics(engines: Sequence["RemoteEngine"], previous: dict | None
     return ({"engine/idle_frac": sum(fracs) / len(fracs)} if fracs else {}), state
 
 
+async def _next_item(refs) -> Any:
+    """The next object of a Ray streaming generator, fetched."""
+    return await (await refs.__anext__())
+
+
 def _require_ray() -> None:
     if ray is None:
         raise RuntimeError("engine servers run in Ray actors: install ray (pip install 'ray[default]')")
@@ -200,6 +215,32 @@ class RemoteEngine(AsyncEngine):
         try:
             return await self._call("generate", list(prompt_ids), sampling, session_id)
         finally:
+            self._running -= 1
+
+    async def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
+                              session_id: Hashable | None = None) -> AsyncIterator[TokenChunk | Completion]:
+        """The server's stream, read as it comes; the whole request within ``request_timeout_s``."""
+        self._running += 1
+        refs = self.handle.generate_stream.options(num_returns="streaming").remote(list(prompt_ids), sampling,
+                                                                                   session_id)
+        deadline, finished = time.perf_counter() + self.request_timeout_s, False
+        try:
+            while not finished:
+                remaining = max(deadline - time.perf_counter(), 0)
+                try:
+                    item = await asyncio.wait_for(_next_item(refs), timeout=remaining)
+                except StopAsyncIteration:
+                    raise RuntimeError(f"engine {self.engine_id}: the stream ended without a completion") from None
+                finished = isinstance(item, Completion)
+                yield item
+        except RayActorError as exc:
+            raise EngineDiedError(f"engine {self.engine_id} died during generate_stream: {exc}") from exc
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"engine {self.engine_id}: generate_stream did not finish within "
+                               f"{self.request_timeout_s:g}s") from None
+        finally:
+            if not finished:
+                ray.cancel(refs)  # closes the server's generator, which cancels the engine's request
             self._running -= 1
 
     def num_running(self) -> int:

@@ -7,6 +7,7 @@ and the tests before it compare trajectories with the original model's.
 """
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
@@ -21,7 +22,7 @@ from rlcore.agentic.episode import Trajectory
 from rlcore.agentic.pool import RolloutError, RolloutPool
 from rlcore.agentic.runner import EpisodeRunner, EpisodeSpec, generate_prompts, start_runners
 from rlcore.data.dataset import collate_prompts
-from rlcore.engines.async_base import Completion
+from rlcore.engines.async_base import Completion, TokenChunk
 from rlcore.engines.async_hf import AsyncHFEngine
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.engines.hf_engine import HFEngine
@@ -225,6 +226,35 @@ def test_a_server_killed_mid_run_fails_over_token_exact(servers, model_dir, refe
     assert moved  # sessions that began on the victim finished on the survivor
     with pytest.raises(EngineDiedError, match="engine 0 died during generate"):
         asyncio.run(victim.generate([5, 6], GREEDY))
+
+
+@pytest.mark.slow
+def test_a_stream_through_a_server_comes_token_by_token_and_closing_it_cancels_the_request(servers, tok):
+    """generate_stream over Ray (a streaming actor method) and the sticky router: the chunks, then
+    the completion generate gives; a stream closed after its first chunk is cancelled in the
+    server's engine (long before its 20000 tokens)."""
+    prompt = tok.encode("12+30=", add_special_tokens=False)
+    short = dataclasses.replace(GREEDY, max_new_tokens=12, ignore_eos=True)
+    endless = dataclasses.replace(GREEDY, max_new_tokens=20000, ignore_eos=True)
+    router = AsyncSessionRouter(servers)
+
+    async def run():
+        items = [item async for item in router.generate_stream(prompt, short, "s")]
+        whole = await router.generate(prompt, short, "s")
+        stream = router.generate_stream(prompt, endless, "t")
+        first = await anext(stream)
+        start = time.monotonic()
+        await stream.aclose()
+        while any([(await e.stats())["num_running"] for e in servers]):
+            assert time.monotonic() - start < 10, "the closed stream kept running"
+            await asyncio.sleep(0.02)
+        return items, whole, first
+
+    items, whole, first = asyncio.run(run())
+    *chunks, final = items
+    assert isinstance(final, Completion) and len(chunks) > 1 and isinstance(first, TokenChunk)
+    assert [t for c in chunks for t in c.token_ids] == final.token_ids == whole.token_ids
+    assert final.engine_id == whole.engine_id == router.sessions["s"]  # sticky, streamed or not
 
 
 # ------------------------------------------------------------------ the rollout pool

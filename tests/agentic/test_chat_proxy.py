@@ -1,13 +1,17 @@
 """The per-session OpenAI endpoint, driven by the real ``openai`` client against a real engine (the
 tiny model on ``AsyncHFEngine``): replies equal HF's greedy decoding, usage counts are the real
-ones, streaming gives the same text, tool calls come back structured (from a model taught to call
-one), the ids trained on are the ids sampled, a non-prefix request opens a new segment, and bad
-requests (wrong key, malformed body, too big, disconnecting mid-stream) never hurt the server."""
+ones, streaming gives the same text token by token while the engine samples it (the first delta
+long before the last) and the session records the streamed ids, tool calls come back structured
+(from a model taught to call one), the ids trained on are the ids sampled, a non-prefix request
+opens a new segment, and bad requests (wrong key, malformed body, too big, disconnecting
+mid-stream, which cancels the request in the engine) never hurt the server."""
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -22,6 +26,7 @@ from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
 from rlcore.agentic.chat_proxy import ChatProxy, ChatProxyConfig, session_trajectories
 from rlcore.agentic.episode import to_dataproto
 from rlcore.agentic.tool_calls import parse_tool_calls
+from rlcore.engines.async_base import Completion
 from rlcore.engines.async_hf import AsyncHFEngine
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.models.config import ModelConfig
@@ -39,13 +44,24 @@ class Recording:
     the order the requests were made (the engine batches them and may finish them in any order)."""
 
     def __init__(self, router: AsyncSessionRouter) -> None:
-        self.router, self.calls = router, []
+        self.router, self.calls, self.streamed = router, [], []  # streamed: per stream, the chunks' token ids
 
     async def generate(self, prompt_ids, sampling, session_id=None):
         call = [session_id, list(prompt_ids), None]
         self.calls.append(call)
         call[2] = await self.router.generate(prompt_ids, sampling, session_id)
         return call[2]
+
+    async def generate_stream(self, prompt_ids, sampling, session_id=None):
+        call, streamed = [session_id, list(prompt_ids), None], []
+        self.calls.append(call)
+        self.streamed.append(streamed)
+        async for item in self.router.generate_stream(prompt_ids, sampling, session_id):
+            if isinstance(item, Completion):
+                call[2] = item
+            else:
+                streamed += item.token_ids
+            yield item
 
     def release(self, session_id) -> None:
         self.router.release(session_id)
@@ -112,6 +128,54 @@ def test_greedy_reply_is_hf_greedy_with_real_usage_and_the_same_text_streamed(mo
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reply.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected)
     assert [m.id for m in models.data] == ["policy"]
+
+
+class SlowSteps:
+    """Each decode step of the engine takes ``delay_s`` longer (a turn that visibly takes time)."""
+
+    def __init__(self, engine, delay_s):
+        self.batch, self.delay_s = engine.batch, delay_s
+
+    def __call__(self, tokens):
+        time.sleep(self.delay_s)
+        return type(self.batch).step(self.batch, tokens)
+
+    def __enter__(self):
+        self.batch.step = self
+
+    def __exit__(self, *exc):
+        del self.batch.step
+
+
+def test_a_streamed_reply_arrives_while_the_engine_samples_it(model_dir, tok):
+    """stream=True with the stock client: the first content delta comes long before the last (the
+    engine is still sampling), the deltas add up to the non-streamed reply of the same greedy
+    request, and the session records exactly the ids that were streamed."""
+    long = dataclasses.replace(GREEDY, max_new_tokens=150, ignore_eos=True)
+    messages = [{"role": "user", "content": "12+3="}]
+
+    async def scenario():
+        async with serving(model_dir, long) as (proxy, rec, engine):
+            c = client(proxy.open_session("s", 400))
+            whole = await c.chat.completions.create(model="policy", messages=messages)
+            arrivals, texts = [], []
+            with SlowSteps(engine, 0.005):
+                start = time.perf_counter()
+                async for ch in await c.chat.completions.create(model="policy", messages=messages, stream=True):
+                    if ch.choices and ch.choices[0].delta.content:
+                        arrivals.append(time.perf_counter() - start)
+                        texts.append(ch.choices[0].delta.content)
+            return whole, arrivals, texts, proxy.close_session("s"), rec
+
+    whole, arrivals, texts, session, rec = asyncio.run(scenario())
+    assert len(texts) > 100  # token by token
+    assert arrivals[0] < 0.25 * arrivals[-1]  # 150 steps of >= 5 ms: the first delta came while sampling
+    assert "".join(texts) == whole.choices[0].message.content
+    [segment] = session.segments
+    streamed = rec.streamed[0]
+    assert len(streamed) == 150 and streamed == rec.calls[1][2].token_ids
+    assert [t for t, m in zip(segment.token_ids, segment.policy_mask) if m] == streamed  # the streamed reply kept
+    assert session.discarded_replies == 1  # the non-streamed one (the same request again)
 
 
 def test_logprobs_are_the_samplers_and_top_logprobs_rank_the_step(model_dir, tok, ref_model):
@@ -361,27 +425,38 @@ def test_keys_sessions_and_bad_bodies_get_openai_errors_and_the_server_goes_on(m
     assert ok.choices[0].message.content is not None and running == 0
 
 
-def test_a_client_that_disconnects_mid_stream_leaves_the_session_and_engine_usable(model_dir):
+def test_a_client_that_disconnects_mid_stream_cancels_the_request_and_the_session_goes_on(model_dir):
+    long = dataclasses.replace(SAMPLED, max_new_tokens=2000, ignore_eos=True)
+
     async def scenario():
-        async with serving(model_dir, SAMPLED) as (proxy, rec, engine):
-            access = proxy.open_session("s", 400)
+        async with serving(model_dir, long) as (proxy, rec, engine):
+            access = proxy.open_session("s", 4000)
             messages = [{"role": "user", "content": "4+4="}]
             body = {"model": "p", "messages": messages, "stream": True}
-            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {access.api_key}"}) as h:
-                async with h.stream("POST", f"{access.base_url}/chat/completions", json=body) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: "):
-                            break  # read one event, then hang up
-            reply = await client(access).chat.completions.create(model="p", messages=messages)  # the agent retries
+            with SlowSteps(engine, 0.002):
+                async with httpx.AsyncClient(headers={"Authorization": f"Bearer {access.api_key}"}) as h:
+                    async with h.stream("POST", f"{access.base_url}/chat/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if '"content": "' in line and '"content": ""' not in line:
+                                break  # read one token's delta, then hang up
+                for _ in range(500):  # the engine drops the request at its next step
+                    if engine.num_running() == 0 and not engine.rows:
+                        break
+                    await asyncio.sleep(0.01)
+                dropped_after = len(rec.streamed[0])
+            running = engine.num_running()
+            reply = await client(access).chat.completions.create(model="p", messages=messages, max_tokens=5)
             messages += [{"role": "assistant", "content": reply.choices[0].message.content},
                          {"role": "user", "content": "again"}]
-            await client(access).chat.completions.create(model="p", messages=messages)
-            return proxy.close_session("s"), rec.calls, engine.num_running()
+            await client(access).chat.completions.create(model="p", messages=messages, max_tokens=5)
+            return proxy.close_session("s"), rec.calls, running, dropped_after
 
-    session, calls, running = asyncio.run(scenario())
-    assert running == 0 and len(calls) == 3
-    [segment] = session.segments
-    assert session.discarded_replies == 1  # the reply the client hung up on
+    session, calls, running, dropped_after = asyncio.run(scenario())
+    assert running == 0 and 0 < dropped_after < 1000  # cancelled, far from its 2000 tokens
+    assert calls[0][2] is None and len(calls) == 3  # the hung-up stream never completed
+    [segment] = session.segments  # nothing of it was recorded: the retry continued the same context
+    assert session.discarded_replies == 0
+    assert segment.prompt_ids == calls[1][1] == calls[0][1]
     assert segment.token_ids[:len(calls[1][2].token_ids)] == calls[1][2].token_ids
 
 

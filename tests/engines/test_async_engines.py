@@ -472,6 +472,36 @@ def test_vllm_concurrent_greedy_equals_hf(vllm_engine, vllm_loop, hf, tok):
     assert vllm_engine.num_running() == 0
 
 
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_streams_the_tokens_then_the_same_completion_and_a_closed_stream_is_aborted(vllm_engine, vllm_loop,
+                                                                                         hf, tok):
+    prompt = ids(tok, "hello")
+    sampling = dataclasses.replace(GREEDY, max_new_tokens=VLLM_MAX_NEW, ignore_eos=True)
+
+    async def run():
+        items = [item async for item in vllm_engine.generate_stream(prompt, sampling)]
+        stream = vllm_engine.generate_stream(prompt, dataclasses.replace(sampling, max_new_tokens=100))
+        first = await anext(stream)
+        await stream.aclose()
+        for _ in range(500):
+            if vllm_engine.llm.output_processor.get_num_unfinished_requests() == 0:
+                break
+            await asyncio.sleep(0.01)
+        return items, first, vllm_engine.llm.output_processor.get_num_unfinished_requests()
+
+    items, first, unfinished = vllm_loop.run_until_complete(run())
+    *chunks, final = items
+    assert isinstance(final, Completion) and len(chunks) > 1 and isinstance(first, TokenChunk)
+    tokens, log_probs = reference(hf, prompt, sampling)
+    assert_matches(final, tokens, log_probs)
+    assert [t for c in chunks for t in c.token_ids] == tokens
+    assert [lp for c in chunks for lp in c.log_probs] == final.log_probs
+    versions = [vllm_engine.policy_version] * len(tokens)
+    assert final.policy_versions == [v for c in chunks for v in c.policy_versions] == versions
+    assert unfinished == 0 and vllm_engine.num_running() == 0  # the closed stream was aborted in vLLM
+
+
 def check_top_logprobs(completion: Completion, model_dir: str, prompt: list[int], k: int) -> None:
     """Each step's k best (id, log-prob) are those of a full forward of the model, best first."""
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
