@@ -430,6 +430,14 @@ class DataProto:
             meta[METRICS_KEY] = _merge_metrics([d.meta_info.get(METRICS_KEY) for d in data])
         return type(data[0])(batch=batch, non_tensor_batch=non_tensors, meta_info=meta)
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """``torch.cat(list_of_dataprotos)`` is ``DataProto.concat`` with a group collect's rule for
+        meta_info (the first part's value): verl's tutorial collects a dispatched call's outputs so."""
+        if func is torch.cat and not kwargs and len(args) == 1:
+            return cls.concat(list(args[0]), meta_conflicts="first")
+        return NotImplemented
+
     def reorder(self, indices: torch.Tensor | np.ndarray | Sequence[int]) -> None:
         """Put the rows in the order ``indices`` gives, in place (verl's semantics: returns None).
         ``data.reorder(idx)`` leaves ``data`` equal to ``data[idx]``."""

@@ -288,7 +288,8 @@ def verl_dispatch_mode(dispatch_fn: Callable, collect_fn: Callable, name: str | 
 
     ``dispatch_fn(worker_group, *args, **kwargs)`` returns ``(args, kwargs)``; as in verl, when every
     one of those arguments is a list with one entry per rank, rank r gets entry r, and otherwise
-    every rank gets all of them unchanged. ``collect_fn(worker_group, outputs)`` gets the list of
+    every rank gets all of them unchanged. It may also return one argument per rank, as verl's
+    tutorial writes it (``return data.chunk(worker_group.world_size)``): rank r gets entry r. ``collect_fn(worker_group, outputs)`` gets the list of
     per-rank results. With ``materialize_futures`` (verl's default) a ``GroupFuture`` argument is
     waited for before ``dispatch_fn`` sees it."""
     for role, fn in (("dispatch_fn", dispatch_fn), ("collect_fn", collect_fn)):
@@ -307,14 +308,18 @@ def verl_dispatch_mode(dispatch_fn: Callable, collect_fn: Callable, name: str | 
             args = tuple(a.get() if isinstance(a, Deferred) else a for a in args)
             kwargs = {k: v.get() if isinstance(v, Deferred) else v for k, v in kwargs.items()}
         result = dispatch_fn(ctx.group, *args, **kwargs)
-        if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], (tuple, list))
-                and isinstance(result[1], dict)):
-            raise TypeError(
-                f"{label}: a dict dispatch_fn must return (args, kwargs), a tuple of per-rank argument lists and a dict, "
-                f"got {type(result).__name__}; to hand rank r the r-th chunk of one argument write "
-                "`return (data.chunk(worker_group.world_size),), {}`"
-            )
-        return per_rank_calls(ctx.world_size, tuple(result[0]), dict(result[1]))
+        if isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], (tuple, list)) \
+                and isinstance(result[1], dict):
+            return per_rank_calls(ctx.world_size, tuple(result[0]), dict(result[1]))
+        if isinstance(result, (tuple, list)) and len(result) == ctx.world_size:
+            # verl's tutorial writes `return data.chunk(worker_group.world_size)`: one argument per rank
+            return [((part,), {}) for part in result]
+        raise TypeError(
+            f"{label}: a dict dispatch_fn must return (args, kwargs), a tuple of per-rank argument lists and a dict, "
+            f"or one argument per rank ({ctx.world_size}), got {type(result).__name__}"
+            f"{f' of {len(result)}' if isinstance(result, (tuple, list)) else ''}; to hand rank r the r-th chunk "
+            "of one argument write `return (data.chunk(worker_group.world_size),), {}`"
+        )
 
     def collect(ctx: CallContext, outputs: list) -> Any:
         return collect_fn(ctx.group, outputs)

@@ -146,6 +146,14 @@ def broadcast(worker_group, *args, **kwargs):
     return args, kwargs  # not per-rank lists: every rank gets them as they are (verl's rule)
 
 
+def dispatch_data(worker_group, data):  # verl's tutorial ("Extend to other RL(HF) algorithms"), as written there
+    return data.chunk(worker_group.world_size)
+
+
+def collect_data(worker_group, data):
+    return torch.cat(data)
+
+
 class VerlStyle(Worker):
     @register(dispatch_mode={"dispatch_fn": split_by_rank, "collect_fn": concat_tensors})
     def scaled(self, data, scale):
@@ -155,8 +163,12 @@ class VerlStyle(Worker):
     def tag(self, word, suffix="!"):
         return f"{self.rank}:{word}{suffix}"
 
-    @register(dispatch_mode={"dispatch_fn": lambda wg, data: data.chunk(wg.world_size), "collect_fn": lambda wg, o: o})
+    @register(dispatch_mode={"dispatch_fn": dispatch_data, "collect_fn": collect_data})
     def tutorial_literal(self, data):
+        return DataProto.from_dict({"x": data.batch["x"] * 10}, meta_info={"rank": self.rank})
+
+    @register(dispatch_mode={"dispatch_fn": lambda wg, data: data.chunk(wg.world_size)[:1], "collect_fn": lambda wg, o: o})
+    def one_chunk_short(self, data):
         return len(data)
 
     @register(Dispatch.DP_COMPUTE_PROTO)
@@ -180,10 +192,20 @@ def test_dict_dispatch_mode_materializes_futures():
     assert wg.scaled(future).tolist() == [100, 102, 208, 212]  # x[:, 0] + 100 = 100, 102 | 104, 106; scales 1 | 2
 
 
+def test_the_tutorials_dispatch_and_collect_functions_run_as_written():
+    """dispatch_fn returning one chunk per rank, collect_fn calling torch.cat on the DataProtos."""
+    wg = LocalWorkerGroup(ClassWithInitArgs(VerlStyle), world_size=2)
+    out = wg.tutorial_literal(rows(4))
+    assert isinstance(out, DataProto) and out.batch["x"].tolist() == (rows(4).batch["x"] * 10).tolist()
+    assert out.meta_info == {"rank": 0}  # a collect keeps the first part's meta_info, as the DP collect does
+    with pytest.raises(TypeError, match="not supported|NotImplemented|unsupported"):
+        torch.cat([rows(2), rows(2)], dim=0)  # only the plain form stands for concat
+
+
 def test_dict_dispatch_mode_errors_say_what_to_write():
     wg = LocalWorkerGroup(ClassWithInitArgs(VerlStyle), world_size=2)
-    with pytest.raises(TypeError, match=r"return \(data.chunk\(worker_group.world_size\),\), \{\}"):
-        wg.tutorial_literal(rows(4))
+    with pytest.raises(TypeError, match=r"one argument per rank \(2\), got list of 1.*return \(data.chunk"):
+        wg.one_chunk_short(rows(4))
     with pytest.raises(TypeError, match=r"wrap rlcore's functions in DispatchMode"):
         register(dispatch_mode={"dispatch_fn": lambda ctx, args, kwargs: [], "collect_fn": lambda ctx, o: o})
     rlcore_style = DispatchMode(lambda ctx, args, kwargs: [(args, kwargs)] * ctx.world_size, lambda ctx, o: o)
