@@ -21,10 +21,10 @@ import argparse
 import gc
 import json
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from transformers import AutoTokenizer
 
 from rlcore.data.dataset import PromptDataset, collate_prompts
@@ -55,9 +55,10 @@ def held_out_rows(task: str) -> list[dict]:
     return make_word_problems(task, spec.n_train + spec.n_val, spec.seed)[spec.n_train:]
 
 
-def answer(model_dir: str, dataset: PromptDataset, backend: str, max_new_tokens: int, batch_size: int = 256,
+def answer(model_dir: str, dataset: Sequence[dict], backend: str, max_new_tokens: int, batch_size: int = 256,
            dtype: str | None = None) -> Answers:
-    """Greedy answers of ``model_dir`` to every prompt of ``dataset`` through one engine, scored.
+    """Greedy answers of ``model_dir`` to every prompt of ``dataset`` (a ``PromptDataset`` or a list of
+    its items) through one engine, scored.
     ``dtype`` null: the model's for HF, bf16 where native else fp32 for vLLM (as the recipes sample)."""
     rollout = RolloutConfig(backend=backend, do_sample=False, max_new_tokens=max_new_tokens, max_model_len=1024,
                             kv_cache_memory_bytes=1 << 30, dtype=dtype)
@@ -90,7 +91,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--show", type=int, default=5, help="prompts printed with every model's answer")
     parser.add_argument("--json", help="also write the accuracies (and answers) here")
     args = parser.parse_args(argv)
-    torch.manual_seed(0)
     models = [resolve_model_path(m) for m in args.models]
     tokenizer = AutoTokenizer.from_pretrained(models[0])
     if args.data:
@@ -98,9 +98,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         rows = held_out_rows(args.task)
         files = str(write_jsonl(Path(tempfile.mkdtemp(prefix="rlcore_eval_")) / f"{args.task}_val.jsonl", rows))
-    dataset = PromptDataset(files, tokenizer, max_prompt_length=1024)
-    if args.n:
-        dataset.items = dataset.items[:args.n]
+    prompts = PromptDataset(files, tokenizer, max_prompt_length=1024)
+    dataset = [prompts[i] for i in range(min(args.n or len(prompts), len(prompts)))]
     max_new = args.max_new_tokens or (96 if args.task == "multi_step" and not args.data else 32)
     backends = ("hf", "vllm") if args.backend == "both" else (args.backend,)
     results = [answer(m, dataset, b, max_new) for m in models for b in backends]
