@@ -16,23 +16,35 @@ proxy and the engine share one interpreter):
 
 Prints requests/s and generated tokens/s of each and the ratio a/b; ``--json`` writes them. The
 ratio is what the agent's client, HTTP and rendering cost per request against the generation it
-carries (on 2 cores they also take CPU from the engine). Timing is reported, never asserted (the
-test suite runs ``--quick``).
+carries (on 2 cores they also take CPU from the engine).
+
+Then time to first token (``--ttft-requests``, 0 to skip): the stock ``openai`` client asks the
+same engine for ``--ttft-tokens``-token replies with ``stream=True`` through a proxy of its own
+(the run's sampling, eos ignored, so every reply has that length), one request at a time and
+``--ttft-concurrency`` at once; per request the time until the first content delta and until the
+reply's end. Timing is reported, never asserted (the test suite runs ``--quick``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import ray
 import torch
+from transformers import AutoTokenizer
 
+from rlcore.agentic.async_router import AsyncSessionRouter
 from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
+from rlcore.agentic.chat_proxy import ChatProxy
 from rlcore.data.arithmetic import make_arithmetic_examples
 from rlcore.engines import RolloutConfig, SamplingSettings
 from rlcore.engines.server import build_async_engine, start_engine_servers, stop_engine_servers
@@ -54,6 +66,10 @@ class Recorder:
         self.tokens += len(completion.token_ids)
         return completion
 
+    async def generate_stream(self, prompt_ids, sampling, session_id=None):
+        async for item in self.engine.generate_stream(prompt_ids, sampling, session_id):
+            yield item
+
     def num_running(self) -> int:
         return self.engine.num_running()
 
@@ -65,6 +81,41 @@ async def _limited(coros, concurrency: int):
         async with gate:
             return await coro
     return await asyncio.gather(*[one(c) for c in coros])
+
+
+async def time_to_first_token(engine, model_dir: Path, sampling: SamplingSettings, args) -> dict:
+    """Streamed replies through the stock client: first content delta vs the whole reply, per request."""
+    long = dataclasses.replace(sampling, max_new_tokens=args.ttft_tokens, ignore_eos=True)
+    proxy = ChatProxy(AsyncSessionRouter([engine]), AutoTokenizer.from_pretrained(model_dir), long)
+    await proxy.start()
+    messages = [{"role": "user", "content": r["prompt"]}
+                for r in make_arithmetic_examples(args.ttft_requests, seed=1, max_operand=19)]
+
+    async def one(i: int, http: httpx.AsyncClient) -> tuple[float, float, int]:
+        access = proxy.open_session(f"ttft-{i}-{time.perf_counter_ns()}", 4 * args.ttft_tokens)
+        client = openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key, http_client=http, max_retries=0)
+        start, first, deltas = time.perf_counter(), None, 0
+        async for ch in await client.chat.completions.create(model="policy", messages=[messages[i]], stream=True):
+            if ch.choices and ch.choices[0].delta.content:
+                first = time.perf_counter() - start if first is None else first
+                deltas += 1
+        total = time.perf_counter() - start
+        proxy.close_session(access.session_id)
+        return first, total, deltas
+
+    out = {"tokens": args.ttft_tokens}
+    async with httpx.AsyncClient(timeout=600) as http:
+        await one(0, http)  # warm-up
+        sequential = [await one(i, http) for i in range(args.ttft_requests)]
+        concurrent = await asyncio.gather(*[one(i, http) for i in range(min(args.ttft_concurrency, args.ttft_requests))])
+    for name, rows in (("one_at_a_time", sequential), (f"{len(concurrent)}_at_once", concurrent)):
+        firsts, totals = [r[0] for r in rows], [r[1] for r in rows]
+        out[name] = {"requests": len(rows), "ttft_s_median": statistics.median(firsts),
+                     "reply_s_median": statistics.median(totals), "ttft_s_max": max(firsts),
+                     "ttft_over_reply": statistics.median(f / t for f, t in zip(firsts, totals)),
+                     "deltas_per_reply": statistics.mean(r[2] for r in rows)}
+    await proxy.stop()
+    return out
 
 
 async def run(args) -> dict:
@@ -96,6 +147,7 @@ async def run(args) -> dict:
     completions = await _limited([engine.generate(ids, s) for ids, s in requests], args.concurrency)
     bare_s, bare_tokens = time.perf_counter() - start, sum(len(c.token_ids) for c in completions)
     await runner.close()
+    ttft = await time_to_first_token(engine, model_dir, sampling, args) if args.ttft_requests else None
     if args.in_process:
         await engine.close()
     else:
@@ -104,7 +156,7 @@ async def run(args) -> dict:
            "requests": len(requests), "proxy_s": proxy_s, "bare_s": bare_s,
            "proxy_requests_per_s": len(requests) / proxy_s, "bare_requests_per_s": len(requests) / bare_s,
            "proxy_tokens_per_s": proxy_tokens / proxy_s, "bare_tokens_per_s": bare_tokens / bare_s,
-           "proxy_over_bare_requests": (len(requests) / proxy_s) / (len(requests) / bare_s)}
+           "proxy_over_bare_requests": (len(requests) / proxy_s) / (len(requests) / bare_s), "ttft": ttft}
     return out
 
 
@@ -114,18 +166,30 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=128)
     parser.add_argument("--in-process", action="store_true", help="the engine in this process, not a server")
     parser.add_argument("--backend", choices=["hf", "vllm"], default="hf")
+    parser.add_argument("--ttft-requests", type=int, default=16, help="streamed requests timed (0: none)")
+    parser.add_argument("--ttft-tokens", type=int, default=128, help="tokens of each streamed reply")
+    parser.add_argument("--ttft-concurrency", type=int, default=16, help="streamed requests at once, second round")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads in this process (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="a few episodes: proves it runs")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.quick:
         args.episodes, args.concurrency = 16, 8
+        args.ttft_requests, args.ttft_tokens, args.ttft_concurrency = min(args.ttft_requests, 2), 16, 2
     torch.manual_seed(0)
+    if args.threads:
+        torch._C.set_num_threads(args.threads)
     out = asyncio.run(run(args))
     print(f"{out['requests']} requests of {out['episodes']} episodes, {out['concurrency']} in flight, "
           f"{args.backend} engine {out['engine']}:")
     print(f"  proxy  {out['proxy_requests_per_s']:8.1f} requests/s  {out['proxy_tokens_per_s']:8.1f} tokens/s")
     print(f"  bare   {out['bare_requests_per_s']:8.1f} requests/s  {out['bare_tokens_per_s']:8.1f} tokens/s")
     print(f"  proxy / bare: {out['proxy_over_bare_requests']:.2f}")
+    for name, t in (out["ttft"] or {}).items():
+        if isinstance(t, dict):
+            print(f"  streamed {out['ttft']['tokens']}-token replies, {name.replace('_', ' ')}: first delta "
+                  f"{t['ttft_s_median'] * 1e3:.0f} ms (max {t['ttft_s_max'] * 1e3:.0f}), whole reply "
+                  f"{t['reply_s_median'] * 1e3:.0f} ms (medians; {t['deltas_per_reply']:.0f} deltas a reply)")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
 
