@@ -18,6 +18,11 @@ callback per loop per step) and a condition variable (new requests, pauses), so 
 from any event loop, one after another (``asyncio.run`` again and again). A request whose caller
 went away (cancelled, timed out, a closed stream) leaves the batch at the next step.
 
+Prefix cache: a session's next turn extends its last request's ids (prompt, reply, the env's
+text), so when a request finishes its KV is kept per session (``_PrefixCache``) and the next
+request of that session prefills only its new tokens (``engine/cached_prompt_tokens`` says how
+many it reused). Sticky routing sends a session's turns here; another engine starts from scratch.
+
 Weight updates: ``begin_update`` parks the engine thread between two steps, after the requests in
 flight finish (default: every response from one version) or at once (``in_flight``: requests keep
 their place). ``load_bucket`` copies into the parameters while it is parked; ``finish_update``
@@ -45,7 +50,7 @@ import torch
 from rlcore.engines.async_base import AsyncEngine, Completion, TokenChunk
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.engines.hf_engine import HFEngine, sampling_warpers
-from rlcore.engines.kv_batch import KVBatch, use_gqa_sdpa
+from rlcore.engines.kv_batch import KVBatch, RowKV, use_gqa_sdpa
 from rlcore.engines.weights import WeightBucket
 from rlcore.models.config import ModelConfig
 
@@ -54,11 +59,42 @@ from rlcore.models.config import ModelConfig
 class _Request:
     prompt_ids: list[int]
     sampling: SamplingSettings
+    session_id: Hashable | None
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future | None  # generate: the Completion
     chunks: asyncio.Queue | None  # generate_stream: TokenChunks, then the Completion
     queued_at: float
     cancelled: bool = False  # the caller went away: the engine thread drops it
+
+
+class _PrefixCache:
+    """Per session, the KV of its last finished request (prompt and reply): the session's next turn
+    extends those ids, so only its new tokens need a forward. Least recently used out first, within
+    ``max_bytes``; emptied by every weight update (old weights' KV)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self.entries: collections.OrderedDict[Hashable, tuple[list[int], RowKV]] = collections.OrderedDict()
+
+    def put(self, session_id: Hashable, ids: list[int], kv: RowKV) -> None:
+        self.pop(session_id)
+        if kv.nbytes > self.max_bytes:
+            return
+        self.entries[session_id] = (ids, kv)
+        self.nbytes += kv.nbytes
+        while self.nbytes > self.max_bytes:
+            _, (_, old) = self.entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+
+    def pop(self, session_id: Hashable) -> tuple[list[int], RowKV] | None:
+        entry = self.entries.pop(session_id, None)
+        if entry is not None:
+            self.nbytes -= entry[1].nbytes
+        return entry
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.nbytes = 0
 
 
 @dataclass(eq=False)
@@ -69,6 +105,7 @@ class _Row:
     stop_ids: frozenset[int]
     key: SamplingSettings  # the sampling without budget and stops: rows with equal keys are sampled together
     admitted_at: float
+    cached: int = 0  # prompt tokens whose KV came from the session's last request
     tokens: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -80,7 +117,8 @@ class _Row:
 class AsyncHFEngine(AsyncEngine):
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0,
                  max_batch_size: int = 256, engine_id: int | str | None = None, max_prefill_tokens: int = 16384,
-                 request_timeout_s: float = 600.0, update_timeout_s: float = 600.0) -> None:
+                 prefix_cache_bytes: int = 256 << 20, request_timeout_s: float = 600.0,
+                 update_timeout_s: float = 600.0) -> None:
         self.engine = HFEngine(model_cfg, rollout_cfg, device=device, rank=rank)
         self.pad_token_id, self.eos_token_id = self.engine.pad_token_id, self.engine.eos_token_id
         self.max_batch_size, self.engine_id = max_batch_size, engine_id
@@ -91,6 +129,7 @@ class AsyncHFEngine(AsyncEngine):
         self.batch = KVBatch(self.engine.model, self.pad_token_id)
         self.generator = torch.Generator(device=self.engine.device).manual_seed(rollout_cfg.seed + rank)
         self.rows: list[_Row] = []  # the engine thread's: same order as the batch's rows
+        self.prefix_cache = _PrefixCache(prefix_cache_bytes)  # the engine thread's (and finish_update's, parked)
         self.peak_batch = 0  # the most rows decoded in one step
         self.steps = 0
         self._pending: collections.deque[_Request] = collections.deque()
@@ -104,13 +143,14 @@ class AsyncHFEngine(AsyncEngine):
         self._update: dict | None = None
 
     # ------------------------------------------------------------------ requests (event loop side)
-    def _submit(self, prompt_ids: Sequence[int], sampling: SamplingSettings, stream: bool) -> _Request:
+    def _submit(self, prompt_ids: Sequence[int], sampling: SamplingSettings, session_id: Hashable | None,
+                stream: bool) -> _Request:
         if sampling.n != 1:
             raise ValueError(f"one request samples one continuation (n=1), got n={sampling.n}")
         if not prompt_ids:
             raise ValueError("generate needs at least one prompt token")
         loop = asyncio.get_running_loop()
-        request = _Request(list(prompt_ids), sampling, loop, None if stream else loop.create_future(),
+        request = _Request(list(prompt_ids), sampling, session_id, loop, None if stream else loop.create_future(),
                            asyncio.Queue() if stream else None, time.perf_counter())
         self._ensure_thread()
         with self._cond:
@@ -120,7 +160,7 @@ class AsyncHFEngine(AsyncEngine):
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
                        session_id: Hashable | None = None) -> Completion:
-        request = self._submit(prompt_ids, sampling, stream=False)
+        request = self._submit(prompt_ids, sampling, session_id, stream=False)
         self._running += 1
         self._request_started()
         try:
@@ -135,7 +175,7 @@ class AsyncHFEngine(AsyncEngine):
 
     async def generate_stream(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
                               session_id: Hashable | None = None) -> AsyncIterator[TokenChunk | Completion]:
-        request = self._submit(prompt_ids, sampling, stream=True)
+        request = self._submit(prompt_ids, sampling, session_id, stream=True)
         self._running += 1
         self._request_started()
         deadline = time.perf_counter() + self.request_timeout_s
@@ -226,9 +266,17 @@ class AsyncHFEngine(AsyncEngine):
 
     def _admit(self, requests: list[_Request]) -> None:
         now = time.perf_counter()
-        logits = self.batch.admit([r.prompt_ids for r in requests])
-        rows = [_Row(r, frozenset(self.engine.stop_token_ids(r.sampling)), _sampling_key(r.sampling), now)
-                for r in requests]
+        seqs, pasts, rows = [], [], []
+        for r in requests:
+            cached = self.prefix_cache.pop(r.session_id) if r.session_id is not None else None
+            ids, kv = cached if cached is not None else ([], None)
+            if kv is None or len(ids) >= len(r.prompt_ids) or r.prompt_ids[:len(ids)] != ids:
+                ids, kv = [], None  # not an extension of the session's last request: from scratch
+            seqs.append(r.prompt_ids[len(ids):])
+            pasts.append(kv)
+            rows.append(_Row(r, frozenset(self.engine.stop_token_ids(r.sampling)), _sampling_key(r.sampling), now,
+                             cached=len(ids)))
+        logits = self.batch.admit(seqs, pasts)
         self._sample(rows, logits)
         self.rows += rows
 
@@ -287,8 +335,11 @@ class AsyncHFEngine(AsyncEngine):
             if row.finish is None:
                 keep.append(i)
                 continue
+            if request.session_id is not None and self.prefix_cache.max_bytes:
+                self.prefix_cache.put(request.session_id, request.prompt_ids + row.tokens[:-1], self.batch.row_kv(i))
             completion = Completion(row.tokens, row.log_probs, row.finish, row.versions, engine_id=self.engine_id,
-                                    metrics={"engine/queue_s": row.admitted_at - request.queued_at},
+                                    metrics={"engine/queue_s": row.admitted_at - request.queued_at,
+                                             "engine/cached_prompt_tokens": float(row.cached)},
                                     top_logprobs=row.top)
             if request.chunks is not None:
                 posts[request.loop].append((request.chunks.put_nowait, completion))
@@ -328,6 +379,7 @@ class AsyncHFEngine(AsyncEngine):
         update, self._update = self._update, None
         with self._cond:
             self.policy_version = update["version"]
+            self.prefix_cache.clear()  # KV of the old weights
             self._recompute = bool(self.rows)
             self._pause, self._parked = None, False  # a next begin_update waits for the thread to park again
             self._cond.notify_all()

@@ -12,7 +12,11 @@ tokens are the last columns of its row, padding is masked out) and does three th
 - ``step(tokens)``: feeds every row one token (its last sampled one) in one ``(B, 1)`` forward;
 - ``keep(rows)``: keeps those rows and drops the columns no row needs any more.
 
-Each row's position ids count its own tokens (the padding before them does not move them), so a
+A row may come back with its earlier KV (``row_kv``, kept by the engine per session: the next turn
+of an episode extends the last one's ids) and only its new tokens are computed, as vLLM's prefix
+cache does.
+
+Each row's position ids count its own tokens (padding does not move them), so a
 row attends to exactly what it would alone: greedy output equals HF ``generate`` on the prompt
 alone, up to the float rounding of padded matmuls that any batched ``generate`` has.
 
@@ -29,6 +33,7 @@ instead: the same kernel on the same numbers, without the copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +42,18 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 GQA_SDPA = "rlcore_sdpa_gqa"
+
+
+@dataclass
+class RowKV:
+    """One sequence's keys and values, per layer ((kv heads, length, head dim) each)."""
+
+    length: int
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.layers)
 
 
 class KVBatch:
@@ -61,30 +78,39 @@ class KVBatch:
         self.lengths = self.lengths.new_zeros(0)
 
     @torch.no_grad()
-    def admit(self, seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+    def admit(self, seqs: Sequence[Sequence[int]], pasts: Sequence[RowKV | None] | None = None) -> torch.Tensor:
         """Prefill ``seqs`` (each non-empty) and append them as the last rows, in order; their (n, V)
-        next-token logits. Sequences of similar length are prefilled together (``length_groups``), so
-        a short prompt is not padded to the longest one of the admission."""
+        next-token logits. ``pasts[i]``, when given, is the KV of tokens that come before ``seqs[i]``
+        (a cached prefix, ``row_kv``): only ``seqs[i]`` is computed. Sequences of similar length are
+        prefilled together (``length_groups``), so a short one is not padded to the longest."""
+        pasts = list(pasts) if pasts is not None else [None] * len(seqs)
         caches, masks, logits, order = [], [], [], []
-        for group in length_groups([len(s) for s in seqs]):
-            cache, mask, out = self._prefill([seqs[i] for i in group])
-            caches.append(cache)
-            masks.append(mask)
-            logits.append(out)
-            order += group
+        for cached in (False, True):
+            index = [i for i in range(len(seqs)) if (pasts[i] is not None) == cached]
+            for group in length_groups([len(seqs[i]) for i in index]):
+                rows = [index[g] for g in group]
+                layers, mask, out = self._prefill([seqs[i] for i in rows], [pasts[i] for i in rows] if cached else None)
+                caches.append(layers)
+                masks.append(mask)
+                logits.append(out)
+                order += rows
         inverse = torch.empty(len(order), dtype=torch.long, device=self.device)
         inverse[torch.as_tensor(order, device=self.device)] = torch.arange(len(order), device=self.device)
         width = max(m.shape[1] for m in masks)
         mask = torch.cat([F.pad(m, (width - m.shape[1], 0)) for m in masks]).index_select(0, inverse)
-        layers = [(torch.cat([F.pad(c.layers[i].keys, (0, 0, width - m.shape[1], 0)) for c, m in zip(caches, masks)]),
-                   torch.cat([F.pad(c.layers[i].values, (0, 0, width - m.shape[1], 0)) for c, m in zip(caches, masks)]))
-                  for i in range(len(caches[0].layers))]
-        if len(caches) > 1 or order != sorted(order):
-            layers = [(k.index_select(0, inverse), v.index_select(0, inverse)) for k, v in layers]
-        self._merge(caches[0], layers, mask)
+        layers = []
+        for i in range(len(caches[0])):
+            keys = torch.cat([F.pad(c[i][0], (0, 0, width - m.shape[1], 0)) for c, m in zip(caches, masks)])
+            values = torch.cat([F.pad(c[i][1], (0, 0, width - m.shape[1], 0)) for c, m in zip(caches, masks)])
+            if len(caches) > 1 or order != sorted(order):
+                keys, values = keys.index_select(0, inverse), values.index_select(0, inverse)
+            layers.append((keys, values))
+        self._merge(layers, mask)
         return torch.cat(logits).index_select(0, inverse)
 
-    def _prefill(self, seqs: Sequence[Sequence[int]]) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
+    def _prefill(self, seqs: Sequence[Sequence[int]], pasts: Sequence[RowKV] | None):
+        """One left-padded forward over ``seqs`` after their ``pasts`` (left-padded to a common width;
+        a row's padding may then sit between its past and its new tokens: masked, like any padding)."""
         width = max(len(s) for s in seqs)
         ids = torch.full((len(seqs), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(seqs), width), dtype=torch.long)
@@ -92,12 +118,30 @@ class KVBatch:
             ids[row, width - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
             mask[row, width - len(seq):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache(config=self.model.config)
+        if pasts is None:
+            cache, offset = DynamicCache(config=self.model.config), 0
+        else:
+            past_width = max(p.length for p in pasts)
+            past_mask = torch.zeros((len(seqs), past_width), dtype=torch.long, device=self.device)
+            for row, past in enumerate(pasts):
+                past_mask[row, past_width - past.length:] = 1
+            cache = DynamicCache(ddp_cache_data=[
+                (torch.stack([F.pad(p.layers[i][0], (0, 0, past_width - p.length, 0)) for p in pasts]),
+                 torch.stack([F.pad(p.layers[i][1], (0, 0, past_width - p.length, 0)) for p in pasts]))
+                for i in range(len(pasts[0].layers))])
+            offset = torch.tensor([p.length for p in pasts], device=self.device)[:, None]
+            mask = torch.cat([past_mask, mask], dim=1)
+        positions = (offset + mask[:, -width:].cumsum(-1) - 1).clamp(min=0)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         _check_layers(cache, self.model)
-        return cache, mask, out.logits[:, -1]
+        return [(layer.keys, layer.values) for layer in cache.layers], mask, out.logits[:, -1]
+
+    def row_kv(self, row: int) -> RowKV:
+        """A copy of one row's cached keys and values (its real tokens only), to admit it again later."""
+        cols = self.mask[row].bool()
+        return RowKV(int(cols.sum()), [(layer.keys[row][:, cols], layer.values[row][:, cols])
+                                       for layer in self.cache.layers])
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -119,20 +163,17 @@ class KVBatch:
             return
         index = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
         mask = self.mask.index_select(0, index)
-        start = int(self.width - int(mask.sum(-1).max()))  # columns before this are padding in every row
+        start = int(mask.any(0).int().argmax())  # columns before this are padding in every row
         self.mask, self.lengths = mask[:, start:], self.lengths.index_select(0, index)
         for layer in self.cache.layers:
             layer.keys = layer.keys.index_select(0, index)[:, :, start:]
             layer.values = layer.values.index_select(0, index)[:, :, start:]
 
-    def _merge(self, template: DynamicCache, layers: list[tuple[torch.Tensor, torch.Tensor]],
-               mask: torch.Tensor) -> None:
+    def _merge(self, layers: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor) -> None:
         """Append rows whose per-layer (keys, values) and mask are left-padded to a common width."""
         lengths = mask.sum(-1)
         if self.cache is None or len(self) == 0:
-            for layer, (keys, values) in zip(template.layers, layers):
-                layer.keys, layer.values = keys, values
-            self.cache, self.mask, self.lengths = template, mask, lengths
+            self.cache, self.mask, self.lengths = DynamicCache(ddp_cache_data=layers), mask, lengths
             return
         width = max(self.width, mask.shape[1])
         old_pad, new_pad = width - self.width, width - mask.shape[1]

@@ -322,6 +322,45 @@ def test_requests_joining_a_running_batch_each_equal_a_solo_generate(model_dir, 
     asyncio.run(engine.close())
 
 
+def test_a_sessions_next_turn_reuses_its_kv_and_still_equals_a_solo_generate(model_dir, hf, tok):
+    """Multi-turn sessions: turn 2 extends turn 1's prompt and reply, so only its new tokens are
+    prefilled (the rest from the session's cached KV, with other sessions' rows in the batch), and
+    its greedy output is still HF generate's on the whole context alone. A request that does not
+    extend the session's last one, or one after a weight update, starts from scratch."""
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())
+    texts = ["1+1=", "12+3=", "hello", "7*8="]
+
+    async def session(i, text):
+        await asyncio.sleep(0.01 * i)
+        first = await engine.generate(ids(tok, text), GREEDY, session_id=i)
+        context = ids(tok, text) + first.token_ids + ids(tok, " no. again: ")
+        second = await engine.generate(context, GREEDY, session_id=i)
+        other = await engine.generate(ids(tok, "x" + text), GREEDY, session_id=i)  # not an extension
+        return first, context, second, other
+
+    async def run():
+        return await asyncio.wait_for(asyncio.gather(*[session(i, t) for i, t in enumerate(texts)]), 60)
+
+    results = asyncio.run(run())
+    for text, (first, context, second, other) in zip(texts, results):
+        assert first.metrics["engine/cached_prompt_tokens"] == 0
+        assert second.metrics["engine/cached_prompt_tokens"] == len(ids(tok, text)) + len(first.token_ids) - 1
+        assert_matches(second, *reference(hf, context, GREEDY))
+        assert other.metrics["engine/cached_prompt_tokens"] == 0
+        assert_matches(other, *reference(hf, ids(tok, "x" + text), GREEDY))
+    assert set(engine.prefix_cache.entries) == set(range(len(texts)))
+
+    async def after_update():
+        state = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+        await engine.update_weights(pack_buckets(state.items(), BUCKET), 1)
+        first, context, _, _ = results[0]
+        return await engine.generate(context, GREEDY, session_id=0)
+
+    again = asyncio.run(after_update())
+    assert again.metrics["engine/cached_prompt_tokens"] == 0  # the update dropped the old weights' KV
+    asyncio.run(engine.close())
+
+
 def test_rows_of_other_sampling_settings_share_a_batch_with_their_own_processed_log_probs(model_dir, hf, tok):
     """Temperature / top-k / top-p rows next to greedy ones: each row's log-probs are the
     log-softmax of its own warped scores at its token (hand-computed, teacher-forced)."""
