@@ -14,10 +14,18 @@ requests takes), all on the same engine and weights:
   (b) async:    ``EpisodeRunner`` playing the episodes as coroutines on the asynchronous engine
       (``AsyncHFEngine`` / ``AsyncVLLMEngine``), streaming: a new episode starts as soon as one of
       the C ends, so env latency overlaps other episodes' generation and the engine never drains;
-  (c) bare:     the very requests (b) made, issued C at a time to the same engine with no env in
-      between: the engine's own throughput on this work at this concurrency, the limit for (b).
+  (c) bare:     the very requests (b) made, each session's in its order, C sessions at a time
+      (so C requests in flight), to the same engine with no env in between: the engine's own
+      throughput on this work at this concurrency, the limit for (b).
 
-Prints episodes/s and generated tokens/s of each and the ratios b/a and b/c; ``--json`` writes them.
+The HF engine's per-session prefix cache is off for (b) and (c): (c) samples its own replies, so
+the recorded next turns do not extend them and it could reuse nothing, while (b) would reuse each
+turn's earlier part, less work than (c) does. (b) runs once more with the cache on, as the engine
+runs by default (``async_prefix_cache``). vLLM's content-hashed prefix cache is on throughout.
+
+Prints episodes/s and generated tokens/s of each and the ratios b/a and b/c, and (b)'s tokens/s
+while all C episodes were in flight (until the last one started; after it the last episodes'
+heavy-tailed env steps drain with the engine mostly idle); ``--json`` writes them.
 Timing is reported, never asserted (the test suite runs ``--quick`` to prove it works).
 """
 
@@ -43,12 +51,15 @@ class Recorder:
     """An async engine wrapper that records every request (context ids, budget) it passes on."""
 
     def __init__(self, engine) -> None:
-        self.engine, self.requests = engine, []
+        self.engine, self.requests, self.completions, self.finished = engine, [], [], []
         self.pad_token_id = engine.pad_token_id
 
     async def generate(self, prompt_ids, sampling, session_id=None):
-        self.requests.append((list(prompt_ids), sampling))
-        return await self.engine.generate(prompt_ids, sampling, session_id)
+        self.requests.append((list(prompt_ids), sampling, session_id))
+        completion = await self.engine.generate(prompt_ids, sampling, session_id)
+        self.completions.append(completion)
+        self.finished.append((time.perf_counter(), len(completion.token_ids)))
+        return completion
 
     def num_running(self) -> int:
         return self.engine.num_running()
@@ -70,12 +81,15 @@ def run_lockstep(engine, tok, task_list, sampling, latency, args) -> dict:
     return {"seconds": time.perf_counter() - start, "tokens": tokens}
 
 
-async def bounded(coros, limit: int) -> list:
-    """Run the coroutines ``limit`` at a time (a new one starts as soon as one ends), in order."""
+async def bounded(coros, limit: int, started: list | None = None) -> list:
+    """Run the coroutines ``limit`` at a time (a new one starts as soon as one ends), in order;
+    ``started`` gets each one's start time."""
     gate = asyncio.Semaphore(limit)
 
     async def one(coro):
         async with gate:
+            if started is not None:
+                started.append(time.perf_counter())
             return await coro
 
     return await asyncio.gather(*[one(c) for c in coros])
@@ -84,18 +98,35 @@ async def bounded(coros, limit: int) -> list:
 async def run_async(engine, spec, task_list, concurrency: int) -> tuple[dict, Recorder]:
     recorder = Recorder(engine)
     runner = EpisodeRunner(spec, [recorder])
-    start = time.perf_counter()
-    trajs = await bounded([runner.play(t, i) for i, t in enumerate(task_list)], concurrency)
+    start, started = time.perf_counter(), []
+    trajs = await bounded([runner.play(t, i) for i, t in enumerate(task_list)], concurrency, started)
     seconds = time.perf_counter() - start
+    cached = sum(c.metrics.get("engine/cached_prompt_tokens", 0.0) for c in recorder.completions)
+    # until the last episode started, C were in flight; after it, the last ones drain (their env tails)
+    full = max(started) - start
+    full_tokens = sum(n for t, n in recorder.finished if t <= max(started))
     return {"seconds": seconds, "tokens": sum(sum(t.policy_mask) for t in trajs),
             "env_s_max": max(t.metrics["episode/env_s"] for t in trajs),
-            "gen_s_max": max(t.metrics["episode/gen_s"] for t in trajs)}, recorder
+            "gen_s_max": max(t.metrics["episode/gen_s"] for t in trajs),
+            "prompt_tokens": sum(len(ids) for ids, _, _ in recorder.requests), "cached_prompt_tokens": cached,
+            "all_in_flight_s": full, "all_in_flight_tokens_per_s": full_tokens / full if full > 0 else float("nan")}, \
+        recorder
 
 
 async def run_bare(engine, requests, concurrency: int) -> dict:
+    """Each session's requests in their order, one after another (a turn extends the last one), C
+    sessions at a time: C requests in flight, as in (b), without the env in between."""
+    chains: dict = {}
+    for i, (ids, s, session) in enumerate(requests):
+        chains.setdefault(i if session is None else ("s", session), []).append((ids, s, session))
+
+    async def chain(turns):
+        return [await engine.generate(ids, s, session) for ids, s, session in turns]
+
     start = time.perf_counter()
-    outs = await bounded([engine.generate(ids, s) for ids, s in requests], concurrency)
-    return {"seconds": time.perf_counter() - start, "tokens": sum(len(o.token_ids) for o in outs)}
+    outs = [o for turns in await bounded([chain(t) for t in chains.values()], concurrency) for o in turns]
+    return {"seconds": time.perf_counter() - start, "tokens": sum(len(o.token_ids) for o in outs),
+            "cached_prompt_tokens": sum(o.metrics.get("engine/cached_prompt_tokens", 0.0) for o in outs)}
 
 
 async def measure_turn_latency(engine, task_list, tok, sampling) -> float:
@@ -139,12 +170,26 @@ def main() -> None:
         async_spec = EpisodeSpec(spec.env, spec.tokenizer_path, spec.sampling,
                                  {"step_latency_s": latency, "latency_sigma": 1.0}, spec.max_turns,
                                  spec.max_total_tokens, step_timeout_s=600.0)
+        cache = getattr(engine, "prefix_cache", None)  # HF's per-session KV: off for (b) and (c), same work
+        budget = cache.max_bytes if cache is not None else 0
+        if cache is not None:
+            cache.max_bytes = 0
+            cache.clear()
         b, recorder = await run_async(engine, async_spec, task_list, args.concurrency)
         c = await run_bare(engine, recorder.requests, args.concurrency)
+        out = {"latency_s": latency, "turn_s": turn_s, "async": b, "bare": c}
         print(f"  async {b['tokens'] / b['seconds']:.0f} tokens/s, bare {c['tokens'] / c['seconds']:.0f} tokens/s: "
-              f"async / bare = {b['tokens'] / b['seconds'] / (c['tokens'] / c['seconds']):.2f}", flush=True)
+              f"async / bare = {b['tokens'] / b['seconds'] / (c['tokens'] / c['seconds']):.2f}; while all "
+              f"{args.concurrency} were in flight (the first {b['all_in_flight_s']:.1f} of {b['seconds']:.1f} s) async ran "
+              f"{b['all_in_flight_tokens_per_s']:.0f} tokens/s", flush=True)
+        if cache is not None:  # (b) again as the engine runs by default, each turn reusing its session's KV
+            cache.max_bytes = budget
+            out["async_prefix_cache"], _ = await run_async(engine, async_spec, task_list, args.concurrency)
+            bc = out["async_prefix_cache"]
+            print(f"  async with the prefix cache {bc['tokens'] / bc['seconds']:.0f} tokens/s "
+                  f"({bc['cached_prompt_tokens'] / bc['prompt_tokens']:.0%} of the prompt tokens reused)", flush=True)
         await engine.close()
-        return {"latency_s": latency, "turn_s": turn_s, "async": b, "bare": c}
+        return out
 
     res = asyncio.run(async_part(None if args.latency == "auto" else float(args.latency)))
     if args.no_lockstep:
@@ -152,20 +197,27 @@ def main() -> None:
     else:
         sync_engine = build_engine(model_cfg, rollout_cfg)
         res["lockstep"] = run_lockstep(sync_engine, tok, task_list, sampling, res["latency_s"], args)
-    for key in ("lockstep", "async", "bare"):
+    for key in ("lockstep", "async", "bare", "async_prefix_cache"):
+        if key not in res:
+            continue
         r = res[key]
         r["episodes_per_s"] = args.episodes / r["seconds"] if key != "bare" else float("nan")
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
     res["async_over_lockstep"] = res["async"]["tokens_per_s"] / res["lockstep"]["tokens_per_s"]
     res["async_over_bare"] = res["async"]["tokens_per_s"] / res["bare"]["tokens_per_s"]
+    if "async_prefix_cache" in res:
+        res["async_prefix_cache_over_bare"] = res["async_prefix_cache"]["tokens_per_s"] / res["bare"]["tokens_per_s"]
     res.update(episodes=args.episodes, concurrency=args.concurrency, backend=args.backend, threads=args.threads)
     print(f"{args.episodes} episodes of arithmetic_retry, {args.concurrency} in flight, env step latency lognormal mean {res['latency_s'] * 1e3:.0f} ms "
           f"(sigma 1), engine {args.backend}, {args.threads} threads")
-    for key in ("lockstep", "async", "bare"):
+    for key in ("lockstep", "async", "bare", "async_prefix_cache"):
+        if key not in res:
+            continue
         r = res[key]
-        print(f"  {key:9s} {r['seconds']:7.2f} s  {r['episodes_per_s']:7.1f} episodes/s  "
+        print(f"  {key:18s} {r['seconds']:7.2f} s  {r['episodes_per_s']:7.1f} episodes/s  "
               f"{r['tokens_per_s']:8.0f} tokens/s  ({r['tokens']} tokens)")
-    print(f"  async / lockstep = {res['async_over_lockstep']:.2f}   async / bare engine = {res['async_over_bare']:.2f}")
+    print(f"  async / lockstep = {res['async_over_lockstep']:.2f}   async / bare engine = {res['async_over_bare']:.2f}"
+          + (f"   with the prefix cache: {res['async_prefix_cache_over_bare']:.2f}" if "async_prefix_cache" in res else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
