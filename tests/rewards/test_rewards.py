@@ -213,7 +213,7 @@ def test_look_up_by_file_path(tmp_path):
 
 
 def test_unknown_name_lists_builtins():
-    with pytest.raises(ValueError, match=r"\['arithmetic', 'code', 'gsm8k', 'math'"):
+    with pytest.raises(ValueError, match=r"\['arithmetic', 'arithmetic_words', 'code', 'final_number', 'gsm8k', 'math'"):
         get_reward_fn("gsm9k")
 
 
