@@ -1,22 +1,26 @@
 """Agentic rollout speed under env latency: turn-lockstep vs episodes as coroutines vs the bare engine.
 
-    python -m benchmarks.agentic [--episodes 1024] [--concurrency 256] [--latency auto|SECONDS]
-                                 [--backend hf|vllm] [--json out.json]
+    python -m benchmarks.agentic [--episodes 4096] [--concurrency 512] [--engine-batch 256]
+                                 [--latency auto|SECONDS] [--backend hf|vllm] [--json out.json]
 
 N episodes of ``arithmetic_retry`` (up to 3 tries, 8 tokens a turn), C of them in flight at a time,
 whose every env step first sleeps a heavy-tailed (log-normal, sigma 1) time with mean about one
-turn's generation time (``--latency auto``: measured first, the time one batched turn of C
-requests takes), all on the same engine and weights:
+turn's generation time (``--latency auto``: measured first, the time one batched turn of B
+requests takes), all on the same engine and weights. B is the engine's batch bound: the HF engine
+runs at most B requests at once (vLLM its own ``max_num_seqs``). C = 2B episodes in flight is the
+rollout pool's over-provisioning: with half of them in their env at any time, the engine's batch
+still stays full. ``--engine-batch 0`` runs B = C (no over-provisioning: the engine's batch holds
+only the episodes not in their env):
 
-  (a) lockstep: ``MultiTurnRollout`` on batches of C episodes, one batch after another (one batched
-      generate per turn over the live episodes, then every env steps, concurrently; the next turn
-      waits for the slowest);
+  (a) lockstep: ``MultiTurnRollout`` on batches of B episodes (all the engine batches at once), one
+      batch after another (one batched generate per turn over the live episodes, then every env
+      steps, concurrently; the next turn waits for the slowest);
   (b) async:    ``EpisodeRunner`` playing the episodes as coroutines on the asynchronous engine
       (``AsyncHFEngine`` / ``AsyncVLLMEngine``), streaming: a new episode starts as soon as one of
       the C ends, so env latency overlaps other episodes' generation and the engine never drains;
-  (c) bare:     the very requests (b) made, each session's in its order, C sessions at a time
-      (so C requests in flight), to the same engine with no env in between: the engine's own
-      throughput on this work at this concurrency, the limit for (b).
+  (c) bare:     the very requests (b) made, each session's in its order, B sessions at a time
+      (so B requests in flight: the engine's batch full), to the same engine with no env in
+      between: the engine's own throughput on this work, the limit for (b).
 
 The HF engine's per-session prefix cache is off for (b) and (c): (c) samples its own replies, so
 the recorded next turns do not extend them and it could reuse nothing, while (b) would reuse each
@@ -74,8 +78,8 @@ def run_lockstep(engine, tok, task_list, sampling, latency, args) -> dict:
     rollout = MultiTurnRollout(engine, tok, lambda: make_env("arithmetic_retry", tok, step_latency_s=latency),
                                args.max_turns, args.max_total_tokens, sampling, step_timeout_s=600.0)
     start, tokens = time.perf_counter(), 0
-    for i in range(0, len(task_list), args.concurrency):
-        batch = task_list[i:i + args.concurrency]
+    for i in range(0, len(task_list), args.engine_batch):  # the engine batches at most B: so does lockstep
+        batch = task_list[i:i + args.engine_batch]
         out = rollout.run(batch, seeds=[t["seed"] for t in batch])
         tokens += int(out.batch["response_mask"].sum())
     return {"seconds": time.perf_counter() - start, "tokens": tokens}
@@ -139,8 +143,11 @@ async def measure_turn_latency(engine, task_list, tok, sampling) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--episodes", type=int, default=1024)
-    p.add_argument("--concurrency", type=int, default=256, help="episodes in flight at a time")
+    p.add_argument("--episodes", type=int, default=4096)
+    p.add_argument("--concurrency", type=int, default=512, help="episodes in flight at a time")
+    p.add_argument("--engine-batch", type=int, default=256,
+                   help="the engine's batch bound (HF: max running requests) and (c)'s requests in flight; "
+                        "0: --concurrency. More episodes in flight than this covers their env time")
     p.add_argument("--latency", default="auto", help="mean env step latency in seconds, or 'auto'")
     p.add_argument("--backend", default="hf", choices=("hf", "vllm"))
     p.add_argument("--max-turns", type=int, default=3)
@@ -152,7 +159,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.quick:
-        args.episodes, args.concurrency = 16, 8
+        args.episodes, args.concurrency, args.engine_batch = 16, 8, 4
+    args.engine_batch = args.engine_batch or args.concurrency
     torch._C.set_num_threads(args.threads)
     model_dir = build_tiny_model(tempfile.mkdtemp())
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -164,8 +172,10 @@ def main() -> None:
 
     async def async_part(latency: float | None) -> dict:
         engine = build_async_engine(model_cfg, rollout_cfg)
+        if hasattr(engine, "max_batch_size"):  # HF; vLLM batches up to its own max_num_seqs
+            engine.max_batch_size = args.engine_batch
         await measure_turn_latency(engine, task_list[:8], tok, sampling)  # warm-up
-        turn_s = await measure_turn_latency(engine, task_list[:args.concurrency], tok, sampling)
+        turn_s = await measure_turn_latency(engine, task_list[:args.engine_batch], tok, sampling)
         latency = turn_s if latency is None else latency
         async_spec = EpisodeSpec(spec.env, spec.tokenizer_path, spec.sampling,
                                  {"step_latency_s": latency, "latency_sigma": 1.0}, spec.max_turns,
@@ -176,7 +186,7 @@ def main() -> None:
             cache.max_bytes = 0
             cache.clear()
         b, recorder = await run_async(engine, async_spec, task_list, args.concurrency)
-        c = await run_bare(engine, recorder.requests, args.concurrency)
+        c = await run_bare(engine, recorder.requests, args.engine_batch)
         out = {"latency_s": latency, "turn_s": turn_s, "async": b, "bare": c}
         print(f"  async {b['tokens'] / b['seconds']:.0f} tokens/s, bare {c['tokens'] / c['seconds']:.0f} tokens/s: "
               f"async / bare = {b['tokens'] / b['seconds'] / (c['tokens'] / c['seconds']):.2f}; while all "
