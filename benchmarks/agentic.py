@@ -7,7 +7,9 @@ N episodes of ``arithmetic_retry`` (up to 3 tries, 8 tokens a turn), C of them i
 whose every env step first sleeps a heavy-tailed (log-normal, sigma 1) time with mean about one
 turn's generation time (``--latency auto``: measured first, the time one batched turn of B
 requests takes), all on the same engine and weights. B is the engine's batch bound: the HF engine
-runs at most B requests at once (vLLM its own ``max_num_seqs``). C = 2B episodes in flight is the
+runs at most B requests at once (``max_batch_size``); vLLM's ``AsyncLLM`` keeps its own
+``max_num_seqs`` (128, its default when built from engine args), which ``--engine-batch`` does not
+change: (a) and (c) still send B at a time, (c) keeping it full. C = 2B episodes in flight is the
 rollout pool's over-provisioning: with half of them in their env at any time, the engine's batch
 still stays full. ``--engine-batch 0`` runs B = C (no over-provisioning: the engine's batch holds
 only the episodes not in their env):
@@ -107,8 +109,9 @@ async def run_async(engine, spec, task_list, concurrency: int) -> tuple[dict, Re
     seconds = time.perf_counter() - start
     cached = sum(c.metrics.get("engine/cached_prompt_tokens", 0.0) for c in recorder.completions)
     # until the last episode started, C were in flight; after it, the last ones drain (their env tails)
-    full = max(started) - start
-    full_tokens = sum(n for t, n in recorder.finished if t <= max(started))
+    last_start = max(started)
+    full = last_start - start
+    full_tokens = sum(n for t, n in recorder.finished if t <= last_start)
     return {"seconds": seconds, "tokens": sum(sum(t.policy_mask) for t in trajs),
             "env_s_max": max(t.metrics["episode/env_s"] for t in trajs),
             "gen_s_max": max(t.metrics["episode/gen_s"] for t in trajs),
@@ -181,9 +184,8 @@ def main() -> None:
                                  {"step_latency_s": latency, "latency_sigma": 1.0}, spec.max_turns,
                                  spec.max_total_tokens, step_timeout_s=600.0)
         cache = getattr(engine, "prefix_cache", None)  # HF's per-session KV: off for (b) and (c), same work
-        budget = cache.max_bytes if cache is not None else 0
         if cache is not None:
-            cache.max_bytes = 0
+            budget, cache.max_bytes = cache.max_bytes, 0
             cache.clear()
         b, recorder = await run_async(engine, async_spec, task_list, args.concurrency)
         c = await run_bare(engine, recorder.requests, args.engine_batch)
@@ -207,9 +209,8 @@ def main() -> None:
     else:
         sync_engine = build_engine(model_cfg, rollout_cfg)
         res["lockstep"] = run_lockstep(sync_engine, tok, task_list, sampling, res["latency_s"], args)
-    for key in ("lockstep", "async", "bare", "async_prefix_cache"):
-        if key not in res:
-            continue
+    modes = [key for key in ("lockstep", "async", "bare", "async_prefix_cache") if key in res]
+    for key in modes:
         r = res[key]
         r["episodes_per_s"] = args.episodes / r["seconds"] if key != "bare" else float("nan")
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
@@ -220,9 +221,7 @@ def main() -> None:
     res.update(episodes=args.episodes, concurrency=args.concurrency, backend=args.backend, threads=args.threads)
     print(f"{args.episodes} episodes of arithmetic_retry, {args.concurrency} in flight, env step latency lognormal mean {res['latency_s'] * 1e3:.0f} ms "
           f"(sigma 1), engine {args.backend}, {args.threads} threads")
-    for key in ("lockstep", "async", "bare", "async_prefix_cache"):
-        if key not in res:
-            continue
+    for key in modes:
         r = res[key]
         print(f"  {key:18s} {r['seconds']:7.2f} s  {r['episodes_per_s']:7.1f} episodes/s  "
               f"{r['tokens_per_s']:8.0f} tokens/s  ({r['tokens']} tokens)")
