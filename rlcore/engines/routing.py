@@ -4,8 +4,9 @@ columns of the trajectory layout (left-padded prompt, then the response).
 
 HF engine: ``RoutingRecorder`` hooks see one router call per ``generate`` forward: the prefill over
 the whole (B, T_p) prompt, then one (B, 1) call per decoding step; decoding step j (1-based) runs
-response token j-1. The last response token is never run (nothing is sampled after it), so its
-column stays -1; it influences no log-prob of the response.
+response token j-1. The last response token of the longest rows is never run (nothing is sampled
+after it), so its column stays -1 (a row that stopped sooner has its last token run by the next step);
+it influences no log-prob of the response.
 
 vLLM engine: vLLM's own ``enable_return_routed_experts`` needs Triton, which its CPU build lacks,
 so we capture in the worker with hooks installed through ``collective_rpc``: a forward pre-hook on

@@ -29,7 +29,7 @@ def dpo(log_prob, mask, data, scale=LossScale()):
 
 
 def pair_batch(seed=0):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.float32)
     data = DataProto.from_dict({"ref_log_prob": -torch.rand(4, 3, generator=g)}, {"uid": ["p", "p", "q", "q"]},
                                {"dpo_beta": 0.5})

@@ -17,7 +17,7 @@ def _full(hidden, weight, bias, labels, temperature, top_k, top_p):
 @pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (7, 0.9)])
 @pytest.mark.parametrize("chunk", [1, 3, 7, 100])
 def test_chunks_equal_the_full_logits_in_value_and_gradient(chunk, top_k, top_p):
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(torch.get_default_device()).manual_seed(0)
     hidden = torch.randn(3, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(50, 8, generator=g, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(50, generator=g, dtype=torch.float64, requires_grad=True)

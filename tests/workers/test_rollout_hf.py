@@ -24,7 +24,8 @@ def test_generate_sequences_is_the_engines_generation_in_the_trainers_layout(rol
     """Greedy through the worker = a bare HF engine's greedy rows through the layout, plus the metrics."""
     assert isinstance(rollout.worker(0).engine, HFEngine)
     out = rollout.generate_sequences(make_prompts(tok, meta_info={"do_sample": False}))
-    engine = HFEngine(ModelConfig(path=model_dir), RolloutConfig(max_new_tokens=MAX_NEW))
+    engine = HFEngine(ModelConfig(path=model_dir), RolloutConfig(max_new_tokens=MAX_NEW),
+                      device=rollout.worker(0).engine.device)  # the same kernels: bitwise equal
     ref = generate(engine, make_prompts(tok), SamplingSettings.resolve(RolloutConfig(max_new_tokens=MAX_NEW),
                                                                       {"do_sample": False}))
     assert set(out.batch.keys()) == set(ref.batch.keys())
