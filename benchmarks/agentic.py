@@ -1,15 +1,15 @@
 """Agentic rollout speed under env latency: turn-lockstep vs episodes as coroutines vs the bare engine.
 
     python -m benchmarks.agentic [--episodes 4096] [--concurrency 512] [--engine-batch 256]
-                                 [--latency auto|SECONDS] [--backend hf|vllm] [--json out.json]
+                                 [--latency auto|SECONDS] [--backend hf|vllm] [--engine-process]
+                                 [--json out.json]
 
 N episodes of ``arithmetic_retry`` (up to 3 tries, 8 tokens a turn), C of them in flight at a time,
 whose every env step first sleeps a heavy-tailed (log-normal, sigma 1) time with mean about one
 turn's generation time (``--latency auto``: measured first, the time one batched turn of B
 requests takes), all on the same engine and weights. B is the engine's batch bound: the HF engine
-runs at most B requests at once (``max_batch_size``); vLLM's ``AsyncLLM`` keeps its own
-``max_num_seqs`` (128, its default when built from engine args), which ``--engine-batch`` does not
-change: (a) and (c) still send B at a time, (c) keeping it full. C = 2B episodes in flight is the
+runs at most B requests at once: ``rollout.max_num_seqs`` = B for either engine (the HF engine's running batch,
+vLLM's ``max_num_seqs``). C = 2B episodes in flight is the
 rollout pool's over-provisioning: with half of them in their env at any time, the engine's batch
 still stays full. ``--engine-batch 0`` runs B = C (no over-provisioning: the engine's batch holds
 only the episodes not in their env):
@@ -29,6 +29,11 @@ the recorded next turns do not extend them and it could reuse nothing, while (b)
 turn's earlier part, less work than (c) does. (b) runs once more with the cache on, as the engine
 runs by default (``async_prefix_cache``). vLLM's content-hashed prefix cache is on throughout.
 
+The engine runs in this process (its decode loop a thread beside the episodes' event loop) unless
+``--engine-process`` serves it in a Ray actor, as the agentic recipe does: at this tiny model every
+request's Ray round trip then costs about as much as its decode, and both (b) and (c) slow down
+(bare 3.2k vs 8.0k tokens/s measured once), their ratio about the same (0.59).
+
 Prints episodes/s and generated tokens/s of each and the ratios b/a and b/c, and (b)'s tokens/s
 while all C episodes were in flight (until the last one started; after it the last episodes'
 heavy-tailed env steps drain with the engine mostly idle); ``--json`` writes them.
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import tempfile
 import time
@@ -49,7 +55,7 @@ from transformers import AutoTokenizer
 from rlcore.agentic import EpisodeRunner, EpisodeSpec, MultiTurnRollout, make_env
 from rlcore.data.arithmetic import make_arithmetic_examples
 from rlcore.engines import RolloutConfig, SamplingSettings, build_engine
-from rlcore.engines.server import build_async_engine
+from rlcore.engines.server import build_async_engine, start_engine_servers
 from rlcore.models import ModelConfig, build_tiny_model
 
 
@@ -157,6 +163,8 @@ def main() -> None:
     p.add_argument("--max-total-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--engine-process", action="store_true",
+                   help="serve the engine in a Ray actor (as the agentic recipe does), not in this process")
     p.add_argument("--quick", action="store_true", help="a few episodes: proves the benchmark runs")
     p.add_argument("--no-lockstep", action="store_true", help="only (b) and (c): their ratio, sooner")
     p.add_argument("--json", default=None)
@@ -165,42 +173,49 @@ def main() -> None:
         args.episodes, args.concurrency, args.engine_batch = 16, 8, 4
     args.engine_batch = args.engine_batch or args.concurrency
     torch._C.set_num_threads(args.threads)
+    if args.engine_process:
+        import ray
+
+        ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, configure_logging=False)
     model_dir = build_tiny_model(tempfile.mkdtemp())
     tok = AutoTokenizer.from_pretrained(model_dir)
     model_cfg = ModelConfig(path=model_dir)
-    rollout_cfg = RolloutConfig(backend=args.backend, dtype="float32", max_new_tokens=args.new_tokens)
+    rollout_cfg = RolloutConfig(backend=args.backend, dtype="float32", max_new_tokens=args.new_tokens,
+                                max_num_seqs=args.engine_batch)
     sampling = SamplingSettings.resolve(rollout_cfg, {"n": 1})
     task_list = tasks(args.episodes, seed=0)
     spec = EpisodeSpec("arithmetic_retry", model_dir, sampling, {}, args.max_turns, args.max_total_tokens)
 
+    def start_engine(cfg: RolloutConfig):
+        if args.engine_process:
+            return start_engine_servers(1, model_cfg, cfg, num_cpus=args.threads)[0]
+        return build_async_engine(model_cfg, cfg)
+
     async def async_part(latency: float | None) -> dict:
-        engine = build_async_engine(model_cfg, rollout_cfg)
-        if hasattr(engine, "max_batch_size"):  # HF; vLLM batches up to its own max_num_seqs
-            engine.max_batch_size = args.engine_batch
+        # HF's per-session KV cache off for (b) and (c): the same work (see the module docstring)
+        engine = start_engine(dataclasses.replace(rollout_cfg, prefix_cache_bytes=0))
         await measure_turn_latency(engine, task_list[:8], tok, sampling)  # warm-up
         turn_s = await measure_turn_latency(engine, task_list[:args.engine_batch], tok, sampling)
         latency = turn_s if latency is None else latency
         async_spec = EpisodeSpec(spec.env, spec.tokenizer_path, spec.sampling,
                                  {"step_latency_s": latency, "latency_sigma": 1.0}, spec.max_turns,
                                  spec.max_total_tokens, step_timeout_s=600.0)
-        cache = getattr(engine, "prefix_cache", None)  # HF's per-session KV: off for (b) and (c), same work
-        if cache is not None:
-            budget, cache.max_bytes = cache.max_bytes, 0
-            cache.clear()
         b, recorder = await run_async(engine, async_spec, task_list, args.concurrency)
         c = await run_bare(engine, recorder.requests, args.engine_batch)
+        await engine.close()
         out = {"latency_s": latency, "turn_s": turn_s, "async": b, "bare": c}
         print(f"  async {b['tokens'] / b['seconds']:.0f} tokens/s, bare {c['tokens'] / c['seconds']:.0f} tokens/s: "
               f"async / bare = {b['tokens'] / b['seconds'] / (c['tokens'] / c['seconds']):.2f}; while all "
               f"{args.concurrency} were in flight (the first {b['all_in_flight_s']:.1f} of {b['seconds']:.1f} s) async ran "
               f"{b['all_in_flight_tokens_per_s']:.0f} tokens/s", flush=True)
-        if cache is not None:  # (b) again as the engine runs by default, each turn reusing its session's KV
-            cache.max_bytes = budget
+        if args.backend == "hf":  # (b) again as the engine runs by default, each turn reusing its session's KV
+            engine = start_engine(rollout_cfg)
+            await measure_turn_latency(engine, task_list[:8], tok, sampling)  # warm-up
             out["async_prefix_cache"], _ = await run_async(engine, async_spec, task_list, args.concurrency)
+            await engine.close()
             bc = out["async_prefix_cache"]
             print(f"  async with the prefix cache {bc['tokens'] / bc['seconds']:.0f} tokens/s "
                   f"({bc['cached_prompt_tokens'] / bc['prompt_tokens']:.0%} of the prompt tokens reused)", flush=True)
-        await engine.close()
         return out
 
     res = asyncio.run(async_part(None if args.latency == "auto" else float(args.latency)))

@@ -55,6 +55,10 @@ class RolloutConfig:
     # slower at the batch the engine decodes (rlcore.engines.vllm_worker.InPlacePlan)
     cpu_weight_layout: str = "auto"
     record_routing: bool = False  # MoE: return routed_experts (B, T, layers, k), the experts chosen at sampling (router replay)
+    # the most requests decoded at once: vLLM's max_num_seqs, the async HF engine's running batch;
+    # null: each engine's default (vLLM's own, 128 on CPU; the async HF engine 256)
+    max_num_seqs: int | None = None
+    prefix_cache_bytes: int = 256 << 20  # async HF engine: per-session KV kept for a session's next turn; 0: off
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -67,6 +71,10 @@ class RolloutConfig:
         if self.cpu_weight_layout not in CPU_WEIGHT_LAYOUTS:
             raise ValueError(f"rollout.cpu_weight_layout must be one of {CPU_WEIGHT_LAYOUTS}, "
                              f"got {self.cpu_weight_layout!r}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"rollout.max_num_seqs must be >= 1 (or null: the engine's default), got {self.max_num_seqs}")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"rollout.prefix_cache_bytes must be >= 0 (0: off), got {self.prefix_cache_bytes}")
         SamplingSettings.from_config(self)  # validates the sampling keys
 
 

@@ -170,8 +170,9 @@ def test_a_stop_string_completed_by_the_last_budgeted_token_is_a_stop(engine, hf
         assert out.finish_reason == reason, (n, reason)
 
 
-def test_max_batch_size_splits_the_pending_requests(model_dir, hf, tok):
-    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig(), max_batch_size=2)
+def test_max_num_seqs_splits_the_pending_requests(model_dir, hf, tok):
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig(max_num_seqs=2))
+    assert engine.max_batch_size == 2
     prompts = [ids(tok, t) for t in PROMPTS[:5]]
 
     async def run():
@@ -481,7 +482,7 @@ def vllm_engine(model_dir, vllm_loop):
     # plain: the updates through shared-memory buckets are copies into the matmul layers' own weights
     # (the packed layout is tested in process: test_vllm_in_place_sync.py)
     cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=VLLM_MAX_NEW, kv_cache_memory_bytes=1 << 28,
-                        max_model_len=128, cpu_weight_layout="plain")
+                        max_model_len=128, cpu_weight_layout="plain", max_num_seqs=3)
 
     async def build():  # AsyncLLM belongs to the loop it runs on: every vLLM test uses this one
         return AsyncVLLMEngine(ModelConfig(path=model_dir), cfg, engine_id="v0")
@@ -502,6 +503,8 @@ def test_vllm_concurrent_greedy_equals_hf(vllm_engine, vllm_loop, hf, tok):
     async def run():
         return await asyncio.gather(*[vllm_engine.generate(p, sampling, session_id=i) for i, p in enumerate(prompts)])
 
+    assert vllm_engine.llm.vllm_config.scheduler_config.max_num_seqs == 3  # rollout.max_num_seqs
+    assert len(prompts) > 3  # the others wait for a free sequence slot
     outs = vllm_loop.run_until_complete(run())
     for prompt, out in zip(prompts, outs):
         tokens, log_probs = reference(hf, prompt, sampling)

@@ -40,6 +40,8 @@ def test_sections_are_read_typed_and_other_sections_left_alone():
     ({"dtype": "float8"}, r"section 'rollout': rollout\.dtype must be one of .*got 'float8'"),
     ({"gpu_memory_utilization": 0}, r"rollout\.gpu_memory_utilization must be in \(0, 1\]"),
     ({"stop": [""]}, r"rollout\.stop must be a string or a list of non-empty strings"),
+    ({"max_num_seqs": 0}, r"rollout\.max_num_seqs must be >= 1 \(or null: the engine's default\), got 0"),
+    ({"prefix_cache_bytes": -1}, r"rollout\.prefix_cache_bytes must be >= 0 \(0: off\), got -1"),
     ({"cpu_weight_layout": "flat"}, r"rollout\.cpu_weight_layout must be one of \('auto', 'packed', 'plain'\), got 'flat'"),
 ])
 def test_rollout_errors_name_the_key(section, expected):
