@@ -33,6 +33,7 @@ class AsyncSessionRouter:
         self.alive = [True] * len(self.engines)
         self.max_retries = max_retries
         self.sessions: dict[Hashable, int] = {}  # session -> engine index
+        self.live_sessions = [0] * len(self.engines)  # per engine: its sessions in self.sessions
         self.retries = 0  # turns retried on another engine after theirs died
 
     @property
@@ -40,8 +41,7 @@ class AsyncSessionRouter:
         return self.engines[0].pad_token_id
 
     def _load(self, index: int) -> tuple[int, int]:
-        live_sessions = sum(1 for e in self.sessions.values() if e == index)
-        return live_sessions, self.engines[index].num_running()
+        return self.live_sessions[index], self.engines[index].num_running()
 
     def engine_for(self, session_id: Hashable) -> int:
         """The session's engine; a new (or re-homed) session goes to the least-loaded live engine."""
@@ -50,8 +50,11 @@ class AsyncSessionRouter:
             live = [i for i, ok in enumerate(self.alive) if ok]
             if not live:
                 raise EngineDiedError(f"all {len(self.engines)} engines died; nothing left to route to")
-            index = min(live, key=self._load)
+            if session_id in self.sessions:  # re-homed: it leaves its dead engine's count
+                self.live_sessions[self.sessions[session_id]] -= 1
+            index = live[0] if len(live) == 1 else min(live, key=self._load)
             self.sessions[session_id] = index
+            self.live_sessions[index] += 1
         return index
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingSettings,
@@ -92,4 +95,6 @@ class AsyncSessionRouter:
 
     def release(self, session_id: Hashable) -> None:
         """The session is over: it no longer counts towards its engine's load."""
-        self.sessions.pop(session_id, None)
+        index = self.sessions.pop(session_id, None)
+        if index is not None:
+            self.live_sessions[index] -= 1

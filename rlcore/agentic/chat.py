@@ -25,6 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from rlcore.agentic.text_codec import TextCodec
+
 PROBE_USER = "\u2063probe\u2063"
 PROBE_REPLY = "\u2063reply\u2063"
 
@@ -36,6 +38,7 @@ class ChatDelta:
                              "it; set tokenizer.chat_template (rlcore.models.tiny.CHAT_TEMPLATE is a plain "
                              "'role: content' one)")
         self.tokenizer = tokenizer
+        self.codec = TextCodec(tokenizer)
         probe = [{"role": "user", "content": PROBE_USER}]
         cue = self.render(probe, add_generation_prompt=True)
         with_reply = self.render(probe + [{"role": "assistant", "content": PROBE_REPLY}])
@@ -51,7 +54,7 @@ class ChatDelta:
                                                   add_generation_prompt=add_generation_prompt, **kwargs)
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.codec.encode(text)
 
     def prompt(self, messages: Sequence[Mapping[str, Any]], **kwargs) -> list[int]:
         """The first context: ``messages`` rendered whole, with the assistant cue."""
@@ -77,7 +80,7 @@ class ChatDelta:
 
     def _missing_end_of_turn(self, model_token_ids: Sequence[int]) -> str:
         """The part of ``end_of_turn`` the model's own text does not already end with."""
-        text = self.tokenizer.decode(list(model_token_ids), skip_special_tokens=False)
+        text = self.codec.decode(model_token_ids, skip_special_tokens=False)
         eos = self.tokenizer.eos_token or ""
         if eos and text.endswith(eos) and not self.end_of_turn.startswith(eos):
             text = text[: -len(eos)]  # an eos the template does not write (the tiny models') closes nothing

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from rlcore.agentic.chat import ChatDelta
+from rlcore.agentic.text_codec import TextCodec
 from rlcore.registry import Registry
 from rlcore.rewards.registry import get_reward_fn
 
@@ -67,6 +68,7 @@ class Env(ABC):
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self._chat: ChatDelta | None = None
+        self._codec: TextCodec | None = None
 
     @property
     def chat(self) -> ChatDelta:
@@ -89,13 +91,20 @@ class Env(ABC):
         ``messages`` (user / tool) and the assistant cue, as the template renders them after a reply."""
         return self.chat.after_model_turn(action_token_ids, messages, **template_kwargs)
 
+    @property
+    def codec(self) -> TextCodec:
+        """The tokenizer's encode / decode without transformers' per-call overhead (see text_codec)."""
+        if getattr(self, "_codec", None) is None:  # an env whose __init__ skipped Env's
+            self._codec = TextCodec(self.tokenizer)
+        return self._codec
+
     def encode(self, text: str) -> Observation:
         """The env's text as token ids, no special tokens added (they are not the env's words)."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.codec.encode(text)
 
     def decode_action(self, action_token_ids: Sequence[int]) -> str:
         """Read the model's tokens (special tokens such as eos dropped); never re-encode this."""
-        return self.tokenizer.decode(list(action_token_ids), skip_special_tokens=True)
+        return self.codec.decode(action_token_ids, skip_special_tokens=True)
 
     @abstractmethod
     async def reset(self, task: Mapping[str, Any]) -> Observation: ...

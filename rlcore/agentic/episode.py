@@ -114,8 +114,9 @@ def env_name(env: Env) -> str:
 async def env_call(what: str, coro, timeout_s: float, env: Env, session_id: Hashable, turn: int):
     """``await coro`` within ``timeout_s``; a timeout or an exception becomes an ``EnvError`` naming it."""
     try:
-        return await asyncio.wait_for(coro, timeout=timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):  # in this task: wait_for would start one per call
+            return await coro
+    except TimeoutError:
         raise EnvError(f"{env_name(env)}.{what} did not return within {timeout_s:g}s "
                        f"(session {session_id!r}, turn {turn})") from None
     except EnvError:
@@ -153,9 +154,10 @@ async def play_episode(env: Env, engine: Generator, task: Mapping[str, Any], sam
     gen_s = env_s = 0.0
     for turn in range(1, max_turns + 1):
         budget = min(sampling.max_new_tokens, max_total_tokens - len(traj))
+        turn_sampling = sampling if budget == sampling.max_new_tokens else dataclasses.replace(sampling,
+                                                                                               max_new_tokens=budget)
         start = time.perf_counter()
-        completion = await engine.generate(traj.context(), dataclasses.replace(sampling, max_new_tokens=budget),
-                                           session_id)
+        completion = await engine.generate(traj.context(), turn_sampling, session_id)
         gen_s += time.perf_counter() - start
         if not completion.token_ids:
             raise RuntimeError(f"the engine returned an empty turn (session {session_id!r}, turn {turn}, "

@@ -169,8 +169,9 @@ class AsyncHFEngine(AsyncEngine):
         self._running += 1
         self._request_started()
         try:
-            return await asyncio.wait_for(request.future, timeout=self.request_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.request_timeout_s):
+                return await request.future
+        except TimeoutError:
             raise TimeoutError(f"engine {self.engine_id}: a request did not finish within "
                                f"{self.request_timeout_s:g}s") from None
         finally:

@@ -208,7 +208,10 @@ class AsyncVLLMEngine(AsyncEngine):
                 "engine/policy_version": float(self.policy_version)}
 
     async def close(self) -> None:
-        self.llm.shutdown()
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()  # AsyncLLM's __del__ shuts down again: dropped here, it runs now, not at interpreter
+            # exit, where it raised from a half-torn-down vllm module
 
 
 def _log_probs(steps, tokens: list[int]) -> list[float]:

@@ -158,6 +158,9 @@ def test_async_router_sticky_least_loaded_and_failover():
     assert router.sessions["e"] == out.engine_id
     assert route(router, "e").engine_id == out.engine_id  # and stays there
     assert engines[1].sessions == ["b", "b", "e"]  # nothing after it died
+    # the per-engine session counts least-loaded reads, kept as sessions come, go and are re-homed
+    assert router.live_sessions == [sum(1 for e in router.sessions.values() if e == i) for i in range(3)]
+    assert router.live_sessions[1] == 0 and sum(router.live_sessions) == 4  # c, e, f, g; e left the dead one
 
     engines[0].dead = engines[2].dead = True
     with pytest.raises(EngineDiedError):

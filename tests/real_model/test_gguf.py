@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from rlcore.agentic.text_codec import TextCodec
 from rlcore.models.gguf import MARKER, load_gguf, resolve_model_path, smollm2_gguf_path
 from rlcore.trainer.config import ConfigError, load_config
 
@@ -44,6 +45,19 @@ def test_converted_directory_is_transformers_own_gguf_load(smollm2_dir):
         ref = reference.generate(ids, max_new_tokens=24, do_sample=False)
         assert out.tolist() == ref.tolist()
         assert out.shape[1] > ids.shape[1] + 1  # it answered something
+
+
+def test_episode_text_codec_equals_the_real_tokenizer(smollm2_dir):
+    """The agentic envs' direct backend encode / decode (rlcore.agentic.text_codec) on the real 49k BPE
+    tokenizer and its ChatML turns: the ids and text transformers' wrapper gives."""
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    codec = TextCodec(tok)
+    chat = tok.apply_chat_template([{"role": "user", "content": PROMPTS[1]}], add_generation_prompt=True, tokenize=False)
+    for text in [chat, "<|im_end|>\n<|im_start|>user\nwrong, try again<|im_end|>\n", " 42.", "naïve café, 1,000.5"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert codec.encode(text) == ids
+        for skip in (True, False):
+            assert codec.decode(ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
 
 
 def test_model_path_forms(smollm2_dir):
