@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module, keys", [
-    ("benchmarks.agentic", {"lockstep", "async", "bare", "async_over_lockstep", "async_over_bare"}),
+    ("benchmarks.agentic", {"lockstep", "async", "bare", "async_over_lockstep", "async_over_bare", "async_over_bare_runs"}),
     ("benchmarks.weight_sync", {"plain_copy_s", "push_s", "push_over_copy", "peak_bucket_bytes"}),
     ("benchmarks.chat_proxy", {"proxy_requests_per_s", "bare_requests_per_s", "proxy_over_bare_requests"}),
     ("benchmarks.balance", {"plain_s", "balanced_s", "plain_over_balanced"}),
