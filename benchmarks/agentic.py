@@ -36,8 +36,8 @@ request's Ray round trip then costs about as much as its decode, and both (b) an
 
 (b) and (c) run ``--repeats`` times (3), alternately, each (c) on the requests of the (b) before it:
 on a 2-core machine the bare engine alone varies by 1.5x between runs of the same command, and a
-pair measured back to back shares the machine's mood. The pair of the median ratio is reported, with
-every ratio.
+pair measured back to back shares the machine's mood. The pair of the median ratio (of an even count,
+the lower middle one) is reported, with every ratio.
 
 Prints episodes/s and generated tokens/s of each and the ratios b/a and b/c, and (b)'s tokens/s
 while all C episodes were in flight (until the last one started; after it the last episodes'
