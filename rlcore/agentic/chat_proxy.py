@@ -303,13 +303,13 @@ class ChatProxy:
         return reply, reason, pieces
 
     def _token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.delta.codec.decode([token_id], skip_special_tokens=False)
 
     def _token_texts(self, token_ids: list[int]) -> list[str]:
         """Each token's share of the decoded text (special tokens as ''), joined: the whole text."""
         out, previous = [], ""
         for i in range(len(token_ids)):
-            text = self.tokenizer.decode(token_ids[: i + 1], skip_special_tokens=True)
+            text = self.delta.codec.decode(token_ids[: i + 1], skip_special_tokens=True)
             out.append(text[len(previous):] if text.startswith(previous) else "")
             previous = text if text.startswith(previous) else previous
         return out

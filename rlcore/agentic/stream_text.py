@@ -23,13 +23,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rlcore.agentic.text_codec import TextCodec
+
 TOOL_CALL_OPEN = "<tool_call>"
 UNFINISHED = "\ufffd"
 
 
 class TextStream:
     def __init__(self, tokenizer, stops: Sequence[str] = (), hold_tool_calls: bool = False) -> None:
-        self.tokenizer, self.stops = tokenizer, tuple(s for s in stops if s)
+        self.codec = TextCodec(tokenizer)  # a decode per token: without transformers' per-call overhead
+        self.stops = tuple(s for s in stops if s)
         self.markers = self.stops + ((TOOL_CALL_OPEN,) if hold_tool_calls else ())
         self.ids: list[int] = []
         self.prefix = self.read = 0  # token offsets: the window's start, and the end of what is decoded
@@ -67,7 +70,7 @@ class TextStream:
         return new
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.codec.decode(ids, skip_special_tokens=True) if ids else ""
 
 
 def _held_tail(text: str, markers: Sequence[str]) -> int:
