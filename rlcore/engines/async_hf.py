@@ -118,13 +118,11 @@ class _Row:
 
 class AsyncHFEngine(AsyncEngine):
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0,
-                 max_batch_size: int | None = None, engine_id: int | str | None = None, max_prefill_tokens: int = 16384,
-                 prefix_cache_bytes: int | None = None, request_timeout_s: float = 600.0,
+                 engine_id: int | str | None = None, max_prefill_tokens: int = 16384, request_timeout_s: float = 600.0,
                  update_timeout_s: float = 600.0) -> None:
         self.engine = HFEngine(model_cfg, rollout_cfg, device=device, rank=rank)
         self.pad_token_id, self.eos_token_id = self.engine.pad_token_id, self.engine.eos_token_id
-        # None: rollout.max_num_seqs (null there: 256) and rollout.prefix_cache_bytes
-        self.max_batch_size = max_batch_size or rollout_cfg.max_num_seqs or DEFAULT_MAX_BATCH
+        self.max_batch_size = rollout_cfg.max_num_seqs or DEFAULT_MAX_BATCH
         self.engine_id = engine_id
         self.max_prefill_tokens = max_prefill_tokens  # padded prompt tokens one admission may prefill
         self.request_timeout_s, self.update_timeout_s = request_timeout_s, update_timeout_s
@@ -133,8 +131,7 @@ class AsyncHFEngine(AsyncEngine):
         self.batch = KVBatch(self.engine.model, self.pad_token_id)
         self.generator = torch.Generator(device=self.engine.device).manual_seed(rollout_cfg.seed + rank)
         self.rows: list[_Row] = []  # the engine thread's: same order as the batch's rows
-        self.prefix_cache = _PrefixCache(rollout_cfg.prefix_cache_bytes if prefix_cache_bytes is None
-                                         else prefix_cache_bytes)  # the engine thread's (and finish_update's, parked)
+        self.prefix_cache = _PrefixCache(rollout_cfg.prefix_cache_bytes)  # the engine thread's (and finish_update's, parked)
         self.peak_batch = 0  # the most rows decoded in one step
         self.steps = 0
         self._pending: collections.deque[_Request] = collections.deque()
