@@ -53,11 +53,7 @@ class AsyncVLLMEngine(AsyncEngine):
         from vllm import AsyncEngineArgs  # optional dependency: imported when a vLLM engine is built
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        extra = {}
-        if rollout_cfg.kv_cache_memory_bytes is not None:
-            extra["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
-        if rollout_cfg.max_num_seqs is not None:
-            extra["max_num_seqs"] = rollout_cfg.max_num_seqs
+        extra = rollout_cfg.vllm_overrides()
         self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
         args = AsyncEngineArgs(
             model=model_cfg.require_path(), dtype=torch_dtype(self.dtype, "rollout.dtype"),

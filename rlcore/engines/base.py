@@ -77,6 +77,11 @@ class RolloutConfig:
             raise ValueError(f"rollout.prefix_cache_bytes must be >= 0 (0: off), got {self.prefix_cache_bytes}")
         SamplingSettings.from_config(self)  # validates the sampling keys
 
+    def vllm_overrides(self) -> dict:
+        """The vLLM engine arguments this section sets only when given (null: vLLM's own default)."""
+        keys = ("kv_cache_memory_bytes", "max_num_seqs")
+        return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
+
 
 @dataclass(frozen=True)
 class SamplingSettings:

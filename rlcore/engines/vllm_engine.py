@@ -67,10 +67,7 @@ class VLLMEngine(Engine):
             # models (~50+ tokens x 128 rows) pass the 4096-token step budget, so: whole prompts only.
             longest = rollout_cfg.max_model_len or hf_config.max_position_embeddings
             engine_kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(WHOLE_PROMPT_BUDGET, longest))
-        if rollout_cfg.kv_cache_memory_bytes is not None:
-            engine_kwargs["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_memory_bytes
-        if rollout_cfg.max_num_seqs is not None:
-            engine_kwargs["max_num_seqs"] = rollout_cfg.max_num_seqs
+        engine_kwargs.update(rollout_cfg.vllm_overrides())
         self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
         self.cpu_weight_layout = rollout_cfg.cpu_weight_layout
         self.rows_decoded = 0  # the largest batch generated so far: where "auto" measures the matmuls
