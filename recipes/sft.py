@@ -5,7 +5,9 @@
 
 Each step takes a batch of prompts, appends each one's answer and eos as the "response" (the
 rollout layout, so the actor's forward is reused unchanged), and takes one optimizer step on the
-token-mean negative log-likelihood of those response tokens. Validation decodes greedily and scores
+token-mean negative log-likelihood of those response tokens. ``data.response_key`` names another
+column to train on instead of the bare answer: the generated ``multi_step`` task's worked
+``solution`` (a warm start that shows a small model the form of a multi-step answer before RL). Validation decodes greedily and scores
 with the reward function, exactly as the RL recipes validate, so the numbers compare.
 
 The RL recipes get a policy that is sometimes right when ``model.path`` is null by running this
@@ -50,10 +52,21 @@ class SFTWorker(ActorWorker):
         return agg_loss(-log_prob, mask, "token-mean", scale), {"nll": masked_mean(-log_prob.detach(), mask).item()}
 
 
-def sft_batch(prompts: DataProto, tokenizer) -> DataProto:
-    """prompts ++ (answer + eos), right-padded: the rollout's layout with the answer as the response."""
-    answers = [tokenizer(str(a), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-               for a in prompts.non_tensor_batch["ground_truth"]]
+def check_targets(dataset, response_key: str) -> None:
+    """Every row's ``response_key`` is a non-empty string: checked once when the data is loaded, so a
+    bad row fails with its number before the first step rather than training on ``"None"``."""
+    for row in range(len(dataset)):
+        value = dataset[row][response_key]
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"data.response_key={response_key!r}: row {row} of the training data has "
+                             f"{value!r}; SFT needs a non-empty string reply in every row")
+
+
+def sft_batch(prompts: DataProto, tokenizer, response_key: str | None = None) -> DataProto:
+    """prompts ++ (target + eos), right-padded: the rollout's layout with the target as the response.
+    The target is the ``response_key`` column when given, else the answer (ground truth)."""
+    targets = prompts.non_tensor_batch[response_key or "ground_truth"]
+    answers = [tokenizer(str(a), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for a in targets]
     width = max(len(a) for a in answers)
     responses = torch.full((len(answers), width), tokenizer.pad_token_id, dtype=torch.long)
     response_mask = torch.zeros((len(answers), width), dtype=torch.long)
@@ -77,6 +90,8 @@ def train(cfg: DictConfig) -> TrainingRun:
         cfg.model.path = build_tiny_model(run_dir.resolve() / "init_model", **OmegaConf.to_container(cfg.tiny_model))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     loader, val_batches = build_data(cfg, tokenizer)
+    if cfg.data.response_key:
+        check_targets(loader.dataset, cfg.data.response_key)
     workers = build_workers(cfg, ["actor", "rollout"], classes={"actor": SFTWorker})
     reward_fn = RuleRewardManager.from_config(cfg)
 
@@ -86,9 +101,10 @@ def train(cfg: DictConfig) -> TrainingRun:
 
     with TrainingRun(cfg, workers, loader, validate_now) as run:
         for step in run.steps():
-            batch = sft_batch(run.next_prompts(), tokenizer)
+            batch = sft_batch(run.next_prompts(), tokenizer, cfg.data.response_key)
             with run.timer("update_actor"):
                 metrics = mean_over_ranks(workers.actor.train_sft(batch))
+            metrics["response_length/mean"] = batch.batch["response_mask"].sum(-1).double().mean().item()
             run.end_step(step, metrics, batch)
     return run
 

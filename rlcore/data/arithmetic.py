@@ -80,11 +80,12 @@ def write_arithmetic_parquet(path: str | Path, n: int, seed: int, **kwargs) -> P
 
 
 def write_jsonl(path: str | Path, rows: list[dict[str, str]]) -> Path:
-    """One JSON object per line with keys prompt, answer, data_source (e.g. a make_split half)."""
+    """One JSON object per line: each row whole (prompt, answer, data_source, and any other column,
+    such as a word problem's worked solution), e.g. a make_split half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        f.writelines(json.dumps({c: r[c] for c in COLUMNS}) + "\n" for r in rows)
+        f.writelines(json.dumps(r) + "\n" for r in rows)
     return path
 
 

@@ -249,6 +249,8 @@ def _generated_files(cfg: DictConfig) -> tuple[str, str]:
     ``data.word_problems`` settings), written once per setting under ``<trainer.output_dir>/data/``."""
     task = cfg.data.task
     spec = OmegaConf.to_container(cfg.data.arithmetic if task == "arithmetic" else cfg.data.word_problems)
+    if task != "arithmetic":
+        spec["columns"] = 2  # rows carry "solution" since this layout: a cache written before it is rewritten
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(cfg.trainer.output_dir) / "data" / f"{task}-{key}"
     train, val = folder / "train.jsonl", folder / "val.jsonl"
@@ -283,7 +285,8 @@ def _listed(files: Any) -> str | list[str]:
 
 def _dataset(cfg: DictConfig, files: Any, tokenizer: Any) -> PromptDataset:
     d = cfg.data
-    return PromptDataset(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
+    extra = ("data_source",) + ((d.response_key,) if d.get("response_key") else ())
+    return PromptDataset(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key, extra_keys=extra,
                          max_prompt_length=d.max_prompt_length, apply_chat_template=d.apply_chat_template)
 
 

@@ -122,6 +122,7 @@ class DataConfig:
     task: str = "arithmetic"  # generated when no files: "arithmetic" (a+b=, tiny model), "arithmetic_words" or "multi_step" (chat models)
     prompt_key: str = "prompt"
     answer_key: str = "answer"
+    response_key: str | None = None  # SFT only: the column trained on as the reply (e.g. "solution"); None: the answer
     max_prompt_length: int = 64  # longer prompts are dropped (and counted) when loading
     apply_chat_template: bool | None = False  # None: when the tokenizer has a template
     train_batch_size: int = 64  # prompts per training step

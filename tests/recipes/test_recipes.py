@@ -80,6 +80,25 @@ def test_sft_trains_validates_and_exports(tmp_path, tiny_model):
     assert (run.dir / "hf" / "config.json").exists() and (run.dir / "hf" / "tokenizer.json").exists()
 
 
+def test_sft_trains_on_the_column_data_response_key_names(tmp_path, tiny_model):
+    """Worked solutions as the target: the column reaches the batch through the loader (a row that lacks it
+    fails at load time), and the NLL is over the solution's tokens, not the bare answer's."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "solution": f"{a} + {b} = {a + b}", "data_source": "arithmetic"}
+            for a in range(1, 5) for b in range(1, 5)]
+    data = write_jsonl(tmp_path / "solutions.jsonl", rows)
+    files = [f"data.train_files={data}", f"data.val_files={data}", f"model.path={tiny_model}", "trainer.backend=local"]
+    run = recipes.sft.train(config("sft", tmp_path, *files, "data.response_key=solution"))
+    with_solutions = check_metrics(run, 2, {"sft/nll", "val/reward_mean"})
+    run = recipes.sft.train(config("sft", tmp_path, *files, "trainer.run_name=answers"))
+    bare = check_metrics(run, 2, {"sft/nll"})
+    # "a + b = c" (c < 10) and eos on the character tokenizer: 10 tokens a row; the bare answer "c": 2
+    assert [r["response_length/mean"] for r in with_solutions[1:]] == [10.0, 10.0]
+    assert [r["response_length/mean"] for r in bare[1:]] == [2.0, 2.0]
+    with pytest.raises(ValueError, match="'solution'"):
+        recipes.sft.train(config("sft", tmp_path, *files, "data.response_key=solution", "data.train_files="
+                                 + str(write_jsonl(tmp_path / "bare.jsonl", [{"prompt": "1+1=", "answer": "2", "data_source": "arithmetic"}]))))
+
+
 def test_grpo_builds_its_warm_start_then_trains_on_ray(tmp_path, ray_cluster):
     warm = [f"warmstart.dir={tmp_path}/warm", "warmstart.steps=2"]
     cfg = config("grpo", tmp_path, "trainer.backend=ray", "trainer.cpus_per_proc=1", *COMMON_RL, *warm)
