@@ -11,7 +11,7 @@ a short SFT warm start can teach the form of a multi-step answer first.
 
 - ``arithmetic_words``: one operation asked in a sentence, several phrasings ("What is 17 plus
   25?", "Subtract 18 from 43.", "What is 6 times 7?"), operands up to 30 (products up to 10 x 10).
-- ``multi_step``: two or three operations in a short story ("Mia has 12 apples. She buys 3 bags
+- ``multi_step``: two operations in a short story ("Mia has 12 apples. She buys 3 bags
   with 4 apples in each bag. How many apples does she have now?"), results never negative.
 
 A row is ``{"prompt": [chat messages], "answer": "42", "solution": "...", "data_source": ...}``: the prompt goes
