@@ -37,7 +37,7 @@ from rlcore.algos.importance import compute_is_weights
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.losses import LossScale, PolicyLossInput, agg_loss, get_policy_loss
 from rlcore.algos.stats import masked_mean
-from rlcore.models.config import ModelConfig, torch_dtype
+from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, register
 from rlcore.typed_config import read_section
@@ -79,7 +79,7 @@ class ActorWorker(FSDPTrainWorker):
     def init_model(self) -> None:
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), dtype=torch_dtype(model_cfg.dtype))
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **model_cfg.load_kwargs())
         self.head = install_response_head(model, self.train_cfg.logits_chunk_mb)  # scores tokens without (B, T, V) logits
         # MoE: frozen routers (actor only) and router-replay hooks; None for a dense model
         self.moe = MoEActor.build(model, self.role == "actor" and self.train_cfg.freeze_router, self.train_cfg.router_replay)

@@ -57,7 +57,7 @@ class CriticWorker(FSDPTrainWorker):
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
         dtype = torch_dtype(model_cfg.dtype)
-        backbone = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), dtype=dtype).base_model
+        backbone = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **model_cfg.load_kwargs()).base_model
         if model_cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=dtype)
