@@ -86,7 +86,8 @@ def run_rlcore(args) -> dict:
     # Workers built directly, not by rlcore.trainer.builder, get ppo_mini_batch_size as global rows
     # (the builder turns a run config's prompts into rows): here the whole batch, one optimizer step.
     config = {
-        "model": {"path": args.model, "mixed_precision": None if args.train_dtype == "fp32" else args.train_dtype},
+        "model": {"path": args.model, "mixed_precision": None if args.train_dtype == "fp32" else args.train_dtype,
+                  "attn_implementation": args.attn},
         "rollout": {"backend": args.backend, "dtype": args.rollout_dtype, "n": args.n, "max_new_tokens": args.new_tokens,
                     "ignore_eos": not args.free_length, "kv_cache_memory_bytes": 1 << 30},
         "actor": {"lr": args.lr, "weight_decay": 0.0, "ppo_mini_batch_size": rows,
@@ -220,6 +221,8 @@ def main() -> None:
     parser.add_argument("--train-dtype", default="auto", choices=["auto", "bfloat16", "fp32"],
                         help="rlcore's training precision, model.mixed_precision (auto: bf16 where native and measured "
                              "faster on this model, rlcore.workers.precision)")
+    parser.add_argument("--attn", default=None, choices=["eager", "sdpa"],
+                        help="rlcore's model.attn_implementation (default: transformers' choice, sdpa)")
     parser.add_argument("--trl-bf16", action="store_true", help="TRL trains with bf16=True (autocast) instead of fp32")
     parser.add_argument("--model", help="an HF directory, a .gguf file or smollm2 (default: a fresh tiny model of --preset)")
     parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "arithmetic_words", "multi_step"],
