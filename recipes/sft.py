@@ -7,8 +7,9 @@ Each step takes a batch of prompts, appends each one's answer and eos as the "re
 rollout layout, so the actor's forward is reused unchanged), and takes one optimizer step on the
 token-mean negative log-likelihood of those response tokens. ``data.response_key`` names another
 column to train on instead of the bare answer: the generated ``multi_step`` task's worked
-``solution`` (a warm start that shows a small model the form of a multi-step answer before RL). Validation decodes greedily and scores
-with the reward function, exactly as the RL recipes validate, so the numbers compare.
+``solution`` (a warm start that shows a small model the form of a multi-step answer before RL).
+Validation decodes greedily and scores with the reward function, exactly as the RL recipes
+validate, so the numbers compare.
 
 The RL recipes get a policy that is sometimes right when ``model.path`` is null by running this
 recipe as a command, briefly, on their data (``rlcore.trainer.warmstart``).
