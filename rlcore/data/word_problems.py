@@ -33,6 +33,7 @@ from rlcore.data.arithmetic import write_jsonl
 ARITHMETIC_WORDS = "arithmetic_words"
 MULTI_STEP = "multi_step"
 TASKS = (ARITHMETIC_WORDS, MULTI_STEP)
+ROW_LAYOUT = 2  # bumped when a row gains or changes a column (2: "solution"), so cached files are rewritten
 INSTRUCTIONS = {
     ARITHMETIC_WORDS: "Answer with the number only.",
     MULTI_STEP: "Give the final answer as a number at the end, like this: The answer is 7.",

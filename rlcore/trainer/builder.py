@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlcore import single_controller
 from rlcore.data.arithmetic import make_split, write_jsonl
 from rlcore.data.dataset import PromptDataset, PromptLoader, collate_prompts
-from rlcore.data.word_problems import make_word_problems
+from rlcore.data.word_problems import ROW_LAYOUT, make_word_problems
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
 from rlcore.trainer.config import to_worker_config
@@ -250,7 +250,7 @@ def _generated_files(cfg: DictConfig) -> tuple[str, str]:
     task = cfg.data.task
     spec = OmegaConf.to_container(cfg.data.arithmetic if task == "arithmetic" else cfg.data.word_problems)
     if task != "arithmetic":
-        spec["columns"] = 2  # rows carry "solution" since this layout: a cache written before it is rewritten
+        spec["columns"] = ROW_LAYOUT  # a cache written in an older row layout is rewritten
     key = hashlib.sha1(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(cfg.trainer.output_dir) / "data" / f"{task}-{key}"
     train, val = folder / "train.jsonl", folder / "val.jsonl"
