@@ -44,6 +44,7 @@ from rlcore.data.dataset import PromptDataset, PromptLoader, collate_prompts
 from rlcore.data.word_problems import ROW_LAYOUT, make_word_problems
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
+from rlcore.trainer.choices import resolve_choices
 from rlcore.trainer.config import to_worker_config
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
@@ -213,11 +214,11 @@ def build_rollout_group(cfg: DictConfig) -> Workers:
 
 
 def _worker_config(cfg: DictConfig) -> dict:
-    """The plain config the workers are built with, ``trainer.device`` resolved ("auto" decided here)
+    """The plain config the workers are built with, the machine's choices made (``resolve_choices``)
     and each ``ppo_mini_batch_size`` in rows (prompts x ``rollout.n``: ``to_worker_config``)."""
-    config = to_worker_config(cfg)
-    config["trainer"]["device"] = resolve_device(cfg.trainer.device)
-    return config
+    resolve_device(cfg.trainer.device)  # a bad name is refused before anything is decided
+    resolve_choices(cfg)  # device, training and sampling dtypes: decided here, recorded in the run's config
+    return to_worker_config(cfg)
 
 
 def _placed_group(cfg: DictConfig, worker: Any, suffix: str = "") -> tuple[WorkerGroup, Any]:
