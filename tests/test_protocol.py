@@ -162,7 +162,7 @@ def test_non_tensor_only():
 
 
 # ----------------------------------------------------------------------------- verl's public behaviours
-# Each value below is worked out by hand from the rows; the alias run of verl's own tests is in the README.
+# Each value below is worked out by hand from the rows; the alias run of verl's own tests is in docs/verl.md.
 from tensordict import TensorDict  # noqa: E402
 
 from rlcore.protocol import (  # noqa: E402
