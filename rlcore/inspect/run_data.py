@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlcore.trainer.trajectories import TRAJECTORY_DIR, file_step
+from rlcore.trainer.trajectory_files import TRAJECTORY_DIR, file_step
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"

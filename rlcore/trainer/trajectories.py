@@ -32,22 +32,12 @@ import torch
 from transformers import AutoTokenizer
 
 from rlcore.protocol import DataProto
+from rlcore.trainer.trajectory_files import TRAJECTORY_DIR, file_step, step_file
 
-TRAJECTORY_DIR = "trajectories"
+__all__ = ["TRAJECTORY_DIR", "TrajectoryWriter", "file_step", "pick_groups", "segments", "step_file", "trajectory_rows"]
+
 TRAINER_LOG_PROB_KEYS = ("trainer_log_probs", "old_log_probs")  # the first one a batch has
 ENV_VERSION = -1  # token_versions' value on env / tool tokens (rlcore.agentic.episode)
-
-
-def step_file(folder: Path, step: int) -> Path:
-    return folder / f"step_{step:06d}.jsonl"
-
-
-def file_step(path: Path) -> int | None:
-    """The step of a ``step_<n>.jsonl`` file name, None for any other name."""
-    stem = path.stem
-    if path.suffix != ".jsonl" or not stem.startswith("step_") or not stem[5:].isdigit():
-        return None
-    return int(stem[5:])
 
 
 def pick_groups(uids: Sequence[Any], n: int) -> list[list[int]]:
