@@ -95,7 +95,7 @@ def load_run(folder: str | Path, last: int | None = None) -> dict[str, Any]:
             raise ValueError(f"last must be >= 1 (steps of trajectories to show), got {last}")
         files = files[-last:]
     return {
-        "run": folder.name,
+        "run": f"{folder.parent.name}/{folder.name}",  # <project>/<run_name>
         "folder": str(folder),
         "config": config_summary(folder),
         "metrics": read_records(metrics_path) if metrics_path.is_file() else [],

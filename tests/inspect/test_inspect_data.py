@@ -31,7 +31,7 @@ def make_run(folder: Path, steps=(1, 2, 3)) -> Path:
 
 def test_load_run_reads_metrics_steps_and_config(tmp_path):
     data = load_run(make_run(tmp_path / "run"))
-    assert data["run"] == "run" and [s["step"] for s in data["steps"]] == [1, 2, 3]
+    assert data["run"] == f"{tmp_path.name}/run" and [s["step"] for s in data["steps"]] == [1, 2, 3]
     assert data["config"] == {"rollout.n": 4, "actor.lr": 0.001}
     assert [r["check/logprob_abs_diff_mean"] for r in data["metrics"]] == [0.01, None, 0.01]  # NaN: a gap
     assert [s["step"] for s in load_run(tmp_path / "run", last=2)["steps"]] == [2, 3]
