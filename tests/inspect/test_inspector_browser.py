@@ -207,8 +207,16 @@ def test_chat_segments_group_by_episode_and_text_stays_text(browser, tmp_path):
              {**base, "row": 1, "episode": "e7", "pieces": ["o", "k"]},
              {**base, "row": 2, "episode": "e8", "pieces": ["5", "!"], "reward": 0.0}]
     (run / "trajectories" / "step_000001.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    bare = {"step": 2, "row": 0, "group": "0", "pieces": ["a", "b", "c"], "reward": None}  # what a record needs
+    (run / "trajectories" / "step_000002.jsonl").write_text(json.dumps(bare) + "\n")
     page = Page(browser, write_page(run).as_uri())
     tab = page.tab
+    tab.locator('.panel[data-step="2"] .resp .bar').click()
+    assert tab.locator('.panel[data-step="2"] .tok').all_inner_texts() == ["a", "b", "c"]
+    tab.fill("#reward-min", "0")
+    assert tab.locator('.panel[data-step="2"] .resp').count() == 0  # no reward: not in any range
+    tab.fill("#reward-min", "")
+    tab.select_option("#step-a", "1")
     assert tab.locator(".episode-head").all_inner_texts() == ["episode e7 · 2 segments"]
     assert tab.locator(".resp .bar > .num:first-child").all_inner_texts() == ["segment 1", "segment 2", "row 2"]
     tab.locator('.resp[data-row="0"] .bar').click()

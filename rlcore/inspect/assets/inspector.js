@@ -22,7 +22,17 @@
   const state = { stepA: null, stepB: null, compare: false, mode: "advantage", source: "", rmin: "", rmax: "",
                   trunc: "all", extraCharts: [] };
   const steps = DATA.steps.map((s) => s.step);
-  const byStep = new Map(DATA.steps.map((s) => [s.step, s.records]));
+  const byStep = new Map(DATA.steps.map((s) => [s.step, s.records.map(normalise)]));
+
+  // A record with fields missing (hand-written, or an older writer) still shows: what it has.
+  function normalise(r) {
+    const n = Array.isArray(r.ids) ? r.ids.length : Array.isArray(r.pieces) ? r.pieces.length : 0;
+    const version = typeof r.policy_version === "number" ? r.policy_version : 0;
+    return { ...r, length: n, policy_version: version, pieces: r.pieces || (r.ids || []).map(String),
+      ids: r.ids || Array(n).fill(null), prompt_pieces: r.prompt_pieces || [], versions: r.versions || Array(n).fill(version),
+      mask: r.mask || Array(n).fill(1), segments: r.segments || (n ? [["policy", 0, n]] : []),
+      reward: typeof r.reward === "number" ? r.reward : null, group: String(r.group ?? r.row) };
+  }
 
   function el(tag, attrs, ...kids) {
     const node = document.createElement(tag);
@@ -78,7 +88,7 @@
 
   function plotSvg(series) {
     const W = 300, H = 130, L = 44, R = 6, T = 6, B = 18;
-    const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, preserveAspectRatio: "none" });
+    const root = svg("svg", { viewBox: `0 0 ${W} ${H}` });
     const pts = series.flatMap((s) => s.points);
     if (!pts.length) return root;
     let [x0, x1] = [Math.min(...pts.map((p) => p[0])), Math.max(...pts.map((p) => p[0]))];
@@ -163,10 +173,11 @@
   }
 
   // ------------------------------------------------------------------ trajectories
+  const source = (r) => String(r.data_source ?? "(none)");
   function passes(r) {
-    if (state.source && String(r.data_source) !== state.source) return false;
-    if (state.rmin !== "" && !(r.reward >= +state.rmin)) return false;
-    if (state.rmax !== "" && !(r.reward <= +state.rmax)) return false;
+    if (state.source && source(r) !== state.source) return false;
+    if (state.rmin !== "" && !(r.reward !== null && r.reward >= +state.rmin)) return false;
+    if (state.rmax !== "" && !(r.reward !== null && r.reward <= +state.rmax)) return false;
     if (state.trunc === "truncated" && !r.truncated) return false;
     if (state.trunc === "complete" && r.truncated) return false;
     return true;
@@ -234,7 +245,7 @@
     const mean = rewards.reduce((a, b) => a + b, 0) / (rewards.length || 1);
     const head = el("div", { class: "head" },
       el("span", { class: "tag" }, `group ${first.group}`),
-      el("span", { class: "tag" }, `source ${first.data_source ?? "–"}`),
+      el("span", { class: "tag" }, `source ${source(first)}`),
       first.ground_truth !== null ? el("span", { class: "tag" }, `answer ${first.ground_truth}`) : null,
       el("span", { class: "tag" }, `mean reward ${fmt(mean)} over ${records.length}`),
       el("div", { class: "prompt" }, first.prompt_pieces.join("")));
@@ -282,7 +293,7 @@
 
   function controls() {
     const stepOpts = steps.map((s) => [s, `step ${s}`]);
-    const sources = [...new Set(DATA.steps.flatMap((s) => s.records.map((r) => String(r.data_source))))].sort();
+    const sources = [...new Set([...byStep.values()].flatMap((rs) => rs.map(source)))].sort();
     const num = (id, key) => el("input", { id, type: "number", step: "any", value: state[key],
       oninput: (e) => { state[key] = e.target.value; drawPanels(); } });
     return [
