@@ -161,8 +161,8 @@ class TrainingRun:
         self._teardown.callback(lambda: self.tracker.close(failed=self._failed))
         save_run_config(self.cfg, self.dir)
         source = OmegaConf.select(self.cfg, "env.name") or OmegaConf.select(self.cfg, "agent.path")  # episodes' rows
-        self.trajectories = TrajectoryWriter(self.dir / TRAJECTORY_DIR, t.trajectory_groups, self.cfg.model.path,
-                                             self.start_step, source)
+        self.trajectories = TrajectoryWriter(self.dir / TRAJECTORY_DIR, t.trajectory_groups,
+                                             OmegaConf.select(self.cfg, "model.path"), self.start_step, source)
 
     # ------------------------------------------------------------------ the loop
     def steps(self) -> Iterator[int]:

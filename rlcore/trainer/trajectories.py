@@ -152,7 +152,7 @@ class TrajectoryWriter:
     the run's model) is loaded at the first write, so a run with the sample off never loads it. Rows
     without a ``data_source`` column (episodes) get ``default_source`` (the env's or agent's name)."""
 
-    def __init__(self, folder: Path, groups: int, tokenizer_path: str, start_step: int = 0,
+    def __init__(self, folder: Path, groups: int, tokenizer_path: str | None, start_step: int = 0,
                  default_source: str | None = None) -> None:
         if groups < 0:
             raise ValueError(f"trainer.trajectory_groups must be >= 0 (0: off), got {groups}")
@@ -172,6 +172,9 @@ class TrajectoryWriter:
         if not self.groups or batch is None or "responses" not in batch.batch.keys() or "prompts" not in batch.batch.keys():
             return 0
         if self._pieces is None:
+            if not self.tokenizer_path:
+                raise ValueError("the trajectory sample decodes tokens with the run's tokenizer: model.path is not set "
+                                 "(set it, or trainer.trajectory_groups=0)")
             tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
             self._pieces, self._eos = TokenPieces(tokenizer), tokenizer.eos_token_id
         uids = batch.non_tensor_batch.get("uid")
