@@ -14,7 +14,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from rlcore.trainer.trajectory_files import TRAJECTORY_DIR, file_step
+from rlcore.trainer.trajectory_files import ENV_VERSION, TRAJECTORY_DIR, file_step
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -76,9 +76,34 @@ def trajectory_files(folder: Path) -> list[tuple[int, Path]]:
     return sorted((step, p) for step, p in found if step is not None)
 
 
+def sample_metrics(step: int, records: list[dict]) -> dict[str, Any]:
+    """What the sample itself says of a step, over its policy tokens in the loss: the trainer's vs the
+    sampler's log-prob (mean and max |diff|, when both are there) and the version lag (step's policy
+    minus the token's). A curve even for a run that logs no ``check/*`` keys; only the sample's rows."""
+    diffs, lags = [], []
+    for r in records:
+        sampler, trainer = r.get("sampler_logprob"), r.get("trainer_logprob")
+        version = r.get("policy_version")
+        for j, (m, v) in enumerate(zip(r.get("mask") or [], r.get("versions") or [])):
+            if not m or v == ENV_VERSION:
+                continue
+            if sampler and trainer and sampler[j] is not None and trainer[j] is not None:
+                diffs.append(abs(trainer[j] - sampler[j]))
+            if isinstance(version, int):
+                lags.append(version - v)
+    out: dict[str, Any] = {"step": step}
+    if diffs:
+        out["sample/logprob_abs_diff_mean"] = sum(diffs) / len(diffs)
+        out["sample/logprob_abs_diff_max"] = max(diffs)
+    if lags:
+        out["sample/version_lag_mean"] = sum(lags) / len(lags)
+    return out
+
+
 def load_run(folder: str | Path, last: int | None = None) -> dict[str, Any]:
-    """The page's data: ``{"run", "folder", "config", "metrics": [row], "steps": [{"step", "records"}]}``,
-    the trajectory sample of the ``last`` steps (all when None). A folder with neither metrics nor
+    """The page's data: ``{"run", "folder", "config", "metrics": [row], "sample_metrics": [row], "steps":
+    [{"step", "records"}]}``, the trajectory sample of the ``last`` steps (all when None); sample_metrics
+    (``sample_metrics``) cover every sampled step. A folder with neither metrics nor
     trajectories is refused, naming what it lacks."""
     folder = Path(folder).expanduser().resolve()
     if not folder.is_dir():
@@ -90,14 +115,14 @@ def load_run(folder: str | Path, last: int | None = None) -> dict[str, Any]:
         raise RunFolderError(f"{folder} holds neither {METRICS_FILE} nor {TRAJECTORY_DIR}/step_*.jsonl: not a run "
                              "folder, or a run that has not finished a step yet (trainer.loggers needs jsonl for "
                              "the curves, trainer.trajectory_groups > 0 for the trajectories)")
-    if last is not None:
-        if last < 1:
-            raise ValueError(f"last must be >= 1 (steps of trajectories to show), got {last}")
-        files = files[-last:]
+    if last is not None and last < 1:
+        raise ValueError(f"last must be >= 1 (steps of trajectories to show), got {last}")
+    steps = [{"step": step, "records": read_records(path)} for step, path in files]
     return {
         "run": f"{folder.parent.name}/{folder.name}",  # <project>/<run_name>
         "folder": str(folder),
         "config": config_summary(folder),
         "metrics": read_records(metrics_path) if metrics_path.is_file() else [],
-        "steps": [{"step": step, "records": read_records(path)} for step, path in files],
+        "sample_metrics": [sample_metrics(s["step"], s["records"]) for s in steps],
+        "steps": steps[-last:] if last is not None else steps,
     }

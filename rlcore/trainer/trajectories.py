@@ -32,12 +32,11 @@ import torch
 from transformers import AutoTokenizer
 
 from rlcore.protocol import DataProto
-from rlcore.trainer.trajectory_files import TRAJECTORY_DIR, file_step, step_file
+from rlcore.trainer.trajectory_files import ENV_VERSION, TRAJECTORY_DIR, file_step, step_file
 
 __all__ = ["TRAJECTORY_DIR", "TrajectoryWriter", "file_step", "pick_groups", "segments", "step_file", "trajectory_rows"]
 
 TRAINER_LOG_PROB_KEYS = ("trainer_log_probs", "old_log_probs")  # the first one a batch has
-ENV_VERSION = -1  # token_versions' value on env / tool tokens (rlcore.agentic.episode)
 
 
 def pick_groups(uids: Sequence[Any], n: int) -> list[list[int]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 TRAJECTORY_DIR = "trajectories"
+ENV_VERSION = -1  # a record's "versions" value on env / tool tokens (token_versions' in rlcore.agentic.episode)
 
 
 def step_file(folder: Path, step: int) -> Path:

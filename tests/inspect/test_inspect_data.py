@@ -12,6 +12,7 @@ import pytest
 
 from rlcore.inspect import RunFolderError, load_run, render_page
 from rlcore.inspect.page import script_json
+from rlcore.inspect.run_data import sample_metrics
 from rlcore.inspect.server import InspectorServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,6 +37,16 @@ def test_load_run_reads_metrics_steps_and_config(tmp_path):
     assert [r["check/logprob_abs_diff_mean"] for r in data["metrics"]] == [0.01, None, 0.01]  # NaN: a gap
     assert [s["step"] for s in load_run(tmp_path / "run", last=2)["steps"]] == [2, 3]
     json.dumps(data, allow_nan=False)  # strict JSON for the browser
+
+
+def test_sample_metrics_over_policy_tokens_in_the_loss():
+    episode = {"policy_version": 3, "versions": [3, -1, 2, 1], "mask": [1, 0, 1, 0],  # env token; a masked stale one
+               "sampler_logprob": [-1.0, 0.0, -2.0, -9.0], "trainer_logprob": [-1.25, 0.0, -1.5, 0.0]}
+    single = {"policy_version": 3, "versions": [3], "mask": [1], "sampler_logprob": [-0.5], "trainer_logprob": None}
+    out = sample_metrics(7, [episode, single])
+    assert out == {"step": 7, "sample/logprob_abs_diff_mean": 0.375, "sample/logprob_abs_diff_max": 0.5,
+                   "sample/version_lag_mean": 1 / 3}  # lags 0, 1, 0; diffs 0.25, 0.5
+    assert sample_metrics(1, [single]) == {"step": 1, "sample/version_lag_mean": 0.0}  # no trainer log-probs: no diff
 
 
 def test_a_live_runs_half_written_last_line_is_left_out_a_bad_line_elsewhere_named(tmp_path):

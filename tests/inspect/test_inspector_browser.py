@@ -114,6 +114,11 @@ def test_page_of_a_grpo_run_shows_curves_tokens_colours_filters(browser, grpo_ru
     logged = sum(isinstance(r.get(k), float) for r in rows for k in ("critic/score/mean", "val/reward_mean"))
     assert tab.locator('.chart[data-chart="Reward"] circle').count() == logged == 5
     assert tab.locator('.chart[data-chart="KL"] path').count() >= 1
+    # the sample's own trainer-vs-sampler curves (mean and max |diff|), one point per sampled step
+    mismatch = tab.locator('.chart[data-chart^="Trainer vs sampler"]')
+    assert mismatch.locator(".legend span").all_inner_texts()[-2:] == ["sample/logprob_abs_diff_max",
+                                                                       "sample/logprob_abs_diff_mean"]
+    assert mismatch.locator('circle title', has_text="sample/logprob_abs_diff_mean").count() == 2
 
     recs = {r["row"]: r for r in records(grpo_run, 2)}  # the last step is shown first
     assert sorted(shown(tab, 2)) == sorted(recs) and len(recs) == 6  # 2 groups x rollout.n 3

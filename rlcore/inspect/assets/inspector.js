@@ -10,7 +10,7 @@
     ["Reward", (k) => ["critic/score/mean", "val/reward_mean", "episode/reward_mean"].includes(k)],
     ["Response length", (k) => ["response_length/mean", "response_length/max"].includes(k)],
     ["KL", (k) => /^actor\/.*kl/.test(k) && !/coeff/.test(k)],
-    ["Trainer vs sampler (check/*, IS weights)", (k) => /^check\//.test(k) || /^actor\/is\//.test(k)],
+    ["Trainer vs sampler (check/*, IS weights, sample)", (k) => /^(check\/|actor\/is\/|sample\/logprob)/.test(k)],
     ["Staleness", (k) => /staleness|version_lag|stale_token|dropped_stale/.test(k)],
   ];
   const MODES = {
@@ -58,8 +58,9 @@
   }
 
   // ------------------------------------------------------------------ curves
-  const metricKeys = [...new Set(DATA.metrics.flatMap((r) => Object.keys(r)))]
-    .filter((k) => k !== "step" && DATA.metrics.some((r) => typeof r[k] === "number")).sort();
+  const ROWS = DATA.metrics.concat(DATA.sample_metrics || []);  // the run's metrics, then the page's own of the sample
+  const metricKeys = [...new Set(ROWS.flatMap((r) => Object.keys(r)))]
+    .filter((k) => k !== "step" && ROWS.some((r) => typeof r[k] === "number")).sort();
 
   function chart(title, keys, removable) {
     const box = el("div", { class: "chart", "data-chart": title });
@@ -67,7 +68,7 @@
       state.extraCharts = state.extraCharts.filter((k) => k !== title); drawCurves(); } }, "×") : null;
     box.append(el("h3", {}, el("span", {}, title), remove));
     const series = keys.map((k, i) => ({ key: k, color: PALETTE[i % PALETTE.length], on: true,
-      points: DATA.metrics.filter((r) => typeof r[k] === "number").map((r) => [r.step, r[k]]) }))
+      points: ROWS.filter((r) => typeof r[k] === "number").map((r) => [r.step, r[k]]) }))
       .filter((s) => s.points.length);
     if (!series.length) {
       box.append(el("div", { class: "empty" }, "not logged by this run"));
