@@ -7,11 +7,12 @@ are written, one JSON object per response, to ``<run>/trajectories/step_<step:06
 
     step, row, group (the uid), episode (chat agents: one episode's segments share it), data_source,
     ground_truth, reward (sum of token_level_scores), advantage (mean over the loss mask), truncated,
-    num_turns, length, policy_version (the step's policy: step - 1),
+    num_turns, length, policy_version (the policy this step trains from: step - 1),
     prompt_ids, prompt_pieces,
     ids, pieces (each token decoded alone), sampler_logprob (rollout_log_probs),
     trainer_logprob (the trainer's log-prob of the token, when the batch has one: TRAINER_LOG_PROB_KEYS),
-    advantages, versions (the policy version that sampled each token; -1: env/tool tokens), mask (loss mask),
+    advantages, versions (the policy version that sampled each token: token_versions, else the row's
+      policy_version column, else step - 1; -1: env/tool tokens), mask (loss mask),
     segments ([kind, start, end): "policy" or "env" runs of tokens: a multi-turn episode's turns)
 
 Cost: a few groups' rows moved to Python lists and one tokenizer decode per token id never seen
@@ -113,8 +114,8 @@ def trajectory_rows(batch: DataProto, step: int, rows: Sequence[int], pieces: To
         prompt_ids = b["prompts"][i][prompt_valid].tolist()
         mask = mask_all[i, :n].long().tolist()
         versions = b["token_versions"][i, :n].tolist() if "token_versions" in keys else None
-        row_version = _cell(nt.get("policy_version"), i)
-        policy_version = step - 1 if row_version is None else int(row_version)
+        row_version = _cell(nt.get("policy_version"), i)  # async GRPO: the version that sampled the row
+        sampled_by = step - 1 if row_version is None else int(row_version)
         advantages = b["advantages"][i, :n] if "advantages" in keys else None
         masked_adv = advantages[torch.tensor(mask, dtype=torch.bool)] if advantages is not None and n else None
         truncated = _cell(nt.get("truncated"), i)
@@ -133,13 +134,13 @@ def trajectory_rows(batch: DataProto, step: int, rows: Sequence[int], pieces: To
             "reward": reward if reward is None or math.isfinite(reward) else None,
             "advantage": float(masked_adv.mean()) if masked_adv is not None and masked_adv.numel() else None,
             "truncated": bool(truncated), "num_turns": _cell(nt.get("num_turns"), i), "length": n,
-            "policy_version": policy_version,
+            "policy_version": step - 1,
             "prompt_ids": prompt_ids, "prompt_pieces": pieces(prompt_ids),
             "ids": ids, "pieces": pieces(ids),
             "sampler_logprob": _rounded(b["rollout_log_probs"][i, :n]) if "rollout_log_probs" in keys else None,
             "trainer_logprob": _rounded(b[trainer_key][i, :n]) if trainer_key else None,
             "advantages": _rounded(advantages) if advantages is not None else None,
-            "versions": versions if versions is not None else [policy_version] * n,
+            "versions": versions if versions is not None else [sampled_by] * n,
             "mask": mask,
             "segments": segments(mask, versions),
         })

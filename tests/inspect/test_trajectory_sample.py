@@ -88,6 +88,14 @@ def test_writer_marks_cut_responses_and_non_finite_values(tmp_path, model_dir, t
     assert row3["sampler_logprob"][1] is None and math.isclose(row3["sampler_logprob"][0], -1.5)
 
 
+def test_async_rows_carry_the_version_that_sampled_them(tmp_path, model_dir, tok):
+    batch = build_batch(tok)
+    batch.non_tensor_batch["policy_version"] = np.array([2, 2, 2, 2, 1, 1], dtype=np.int64)
+    TrajectoryWriter(tmp_path, 2, model_dir).write(4, batch)
+    rows = read(step_file(tmp_path, 4))
+    assert [(r["policy_version"], r["versions"]) for r in rows] == [(3, [2, 2]), (3, [2]), (3, [1, 1]), (3, [1, 1])]
+
+
 def test_episode_rows_keep_their_versions_turns_and_source(tmp_path, model_dir, tok):
     batch = build_batch(tok)
     batch.batch["token_versions"] = torch.tensor([[2, -1, -1]] * 6)
