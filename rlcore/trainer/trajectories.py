@@ -11,7 +11,8 @@ are written, one JSON object per response, to ``<run>/trajectories/step_<step:06
     prompt_ids, prompt_pieces,
     ids, pieces (each token decoded alone), sampler_logprob (rollout_log_probs),
     trainer_logprob (the trainer's log-prob of the token, when the batch has one: TRAINER_LOG_PROB_KEYS),
-    advantages, versions (the policy version that sampled each token: token_versions, else the row's
+    advantages, versions (the policy version that sampled each token: token_versions (counted from the
+      step's policy when a turn-lockstep rollout says they count per call), else the row's
       policy_version column, else step - 1; -1: env/tool tokens), mask (loss mask),
     segments ([kind, start, end): "policy" or "env" runs of tokens: a multi-turn episode's turns)
 
@@ -32,6 +33,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
+from rlcore.agentic.multi_turn import PER_CALL_VERSIONS
 from rlcore.protocol import DataProto
 from rlcore.trainer.trajectory_files import ENV_VERSION, TRAJECTORY_DIR, file_step, step_file
 
@@ -114,6 +116,8 @@ def trajectory_rows(batch: DataProto, step: int, rows: Sequence[int], pieces: To
         prompt_ids = b["prompts"][i][prompt_valid].tolist()
         mask = mask_all[i, :n].long().tolist()
         versions = b["token_versions"][i, :n].tolist() if "token_versions" in keys else None
+        if versions is not None and batch.meta_info.get(PER_CALL_VERSIONS):  # turn-lockstep: the step's policy
+            versions = [v if v == ENV_VERSION else step - 1 for v in versions]
         row_version = _cell(nt.get("policy_version"), i)  # async GRPO: the version that sampled the row
         sampled_by = step - 1 if row_version is None else int(row_version)
         advantages = b["advantages"][i, :n] if "advantages" in keys else None

@@ -146,8 +146,14 @@ def test_page_of_a_grpo_run_shows_curves_tokens_colours_filters(browser, grpo_ru
         colours = tab.locator(f'.resp[data-row="{r["row"]}"] .tok').evaluate_all("ns => ns.map(n => n.style.background)")
         want = "26, 127, 55" if r["advantage"] > 0 else "207, 34, 46" if r["advantage"] < 0 else "0)"
         assert all(want in c for c in colours), (r["advantage"], colours)
-    tab.select_option("#mode", "ratio")  # redrawn: the rows open again
+    tab.select_option("#mode", "ratio")  # redrawn in the new colours, the open responses still open
     assert tab.locator(".note", has_text="no trainer log-probs").count() == 0
+    assert tab.locator('.panel[data-step="2"] .resp.open').count() == len(recs)
+    for r in recs.values():
+        colours = tab.locator(f'.resp[data-row="{r["row"]}"] .tok').evaluate_all("ns => ns.map(n => n.style.background)")
+        for c, s, t in zip(colours, r["sampler_logprob"], r["trainer_logprob"]):
+            want = "188, 76, 0" if t > s else "9, 105, 218" if t < s else "0)"  # orange: trainer above the sampler
+            assert want in c, (s, t, c)
 
     # filters: reward range and truncation, counted against the records
     rewards = sorted(r["reward"] for r in recs.values())
@@ -196,6 +202,8 @@ def test_multi_turn_episode_shows_its_turns(browser, multi_turn_run):
     assert env.first.locator(".tok.masked").count() == 0  # env text is not the policy's: not marked as masked
     env.first.locator(".tok").first.click()
     assert "env / tool token" in resp.locator(".detail").inner_text()
+    policy.nth(1).locator(".tok").first.click()  # the step's policy sampled it, whatever the lockstep engine says
+    assert f"version {rec['policy_version']} (lag 0)" in resp.locator(".detail").inner_text()
     page.close()
 
 

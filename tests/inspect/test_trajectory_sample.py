@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from rlcore.agentic.multi_turn import PER_CALL_VERSIONS
 from rlcore.protocol import DataProto
 from rlcore.trainer.config import TrainerConfig
 from rlcore.trainer.trajectories import TrajectoryWriter, file_step, pick_groups, segments, step_file
@@ -108,6 +109,10 @@ def test_episode_rows_keep_their_versions_turns_and_source(tmp_path, model_dir, 
     assert r0["versions"] == [2, -1] and r0["segments"] == [["policy", 0, 1], ["env", 1, 2]]
     assert r0["truncated"] and r0["num_turns"] == 2 and r0["episode"] == "e1"
     assert r0["data_source"] == "arithmetic_retry"
+    batch.meta_info[PER_CALL_VERSIONS] = True  # turn-lockstep episodes: version 0 is the call's weights
+    batch.batch["token_versions"] = torch.tensor([[0, -1, -1]] * 6)
+    TrajectoryWriter(tmp_path, 1, model_dir).write(3, batch)
+    assert read(step_file(tmp_path, 3))[0]["versions"] == [2, -1]
 
 
 def test_off_skips_and_resume_deletes_the_steps_run_again(tmp_path, model_dir, tok):

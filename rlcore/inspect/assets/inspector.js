@@ -20,7 +20,7 @@
     logprob: "sampler log-prob",
   };
   const state = { stepA: null, stepB: null, compare: false, mode: "advantage", source: "", rmin: "", rmax: "",
-                  trunc: "all", extraCharts: [] };
+                  trunc: "all", extraCharts: [], open: new Set() };  // open: "step:row" of responses shown
   const steps = DATA.steps.map((s) => s.step);
   const byStep = new Map(DATA.steps.map((s) => [s.step, s.records.map(normalise)]));
 
@@ -230,13 +230,20 @@
       r.num_turns ? el("span", { class: "badge" }, `${r.num_turns} turns`) : null,
       r.truncated ? el("span", { class: "badge trunc" }, "truncated") : null,
       el("span", { class: "preview" }, text.replace(/\n/g, "↵")));
-    bar.addEventListener("click", () => {
-      const open = row.classList.toggle("open");
+    const key = `${r.step}:${r.row}`;
+    const show = (open) => {
+      row.classList.toggle("open", open);
       const old = row.querySelector(".tokens");
       if (old) old.remove();
       if (open) row.append(tokenView(r, scale));
+    };
+    bar.addEventListener("click", () => {
+      const open = !row.classList.contains("open");
+      if (open) state.open.add(key); else state.open.delete(key);
+      show(open);
     });
     row.append(bar);
+    if (state.open.has(key)) show(true);  // stays open when colours or filters redraw the panel
     return row;
   }
 
