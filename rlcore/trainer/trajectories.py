@@ -16,8 +16,8 @@ are written, one JSON object per response, to ``<run>/trajectories/step_<step:06
       policy_version column, else step - 1; -1: env/tool tokens), mask (loss mask),
     segments ([kind, start, end): "policy" or "env" runs of tokens: a multi-turn episode's turns)
 
-Cost: a few groups' rows moved to Python lists and one tokenizer decode per token id never seen
-before in the run (pieces are cached), i.e. well under a millisecond per step at the default.
+Cost: one gather and list conversion per tensor for the picked rows, and one tokenizer decode per
+token id never seen before in the run (pieces are cached); measured in docs/inspector.md.
 A resumed run deletes the files of the steps it runs again.
 """
 
@@ -86,9 +86,9 @@ class TokenPieces:
         return [self.cache[i] for i in ids]
 
 
-def _rounded(values: torch.Tensor) -> list[float | None]:
+def _rounded(values: Sequence[float]) -> list[float | None]:
     """Floats with 5 decimals (a log-prob's useful precision); non-finite values as null (JSON has none)."""
-    return [round(v, 5) if math.isfinite(v) else None for v in values.double().tolist()]
+    return [round(v, 5) if math.isfinite(v) else None for v in values]
 
 
 def _cell(column: np.ndarray | None, i: int) -> Any:
@@ -98,30 +98,36 @@ def _cell(column: np.ndarray | None, i: int) -> Any:
     return value.item() if isinstance(value, np.generic) else value
 
 
+TENSOR_KEYS = ("prompts", "responses", "attention_mask", "response_mask", "token_versions", "rollout_log_probs",
+               "advantages", "token_level_scores", *TRAINER_LOG_PROB_KEYS)
+
+
 def trajectory_rows(batch: DataProto, step: int, rows: Sequence[int], pieces: TokenPieces, eos_id: int | None,
                     default_source: str | None = None) -> list[dict]:
     """The records (module docstring) of ``rows`` of ``batch``."""
     b, nt = batch.batch, batch.non_tensor_batch
-    keys = set(b.keys())
-    width_p = b["prompts"].shape[1]
-    width_r = b["responses"].shape[1]
-    trainer_key = next((k for k in TRAINER_LOG_PROB_KEYS if k in keys), None)
-    mask_all = b["response_mask"] if "response_mask" in keys else b["attention_mask"][:, width_p:]
+    width_p, width_r = b["prompts"].shape[1], b["responses"].shape[1]
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    # the rows' tensors as Python lists, one gather and one conversion per key
+    cols = {k: b[k][index].double().tolist() if b[k].is_floating_point() else b[k][index].tolist()
+            for k in TENSOR_KEYS if k in b.keys()}
+    trainer_key = next((k for k in TRAINER_LOG_PROB_KEYS if k in cols), None)
+    per_call = bool(batch.meta_info.get(PER_CALL_VERSIONS))
     tasks = nt.get("task")
     out = []
-    for i in rows:
-        prompt_valid = b["attention_mask"][i, :width_p].bool()
-        n = int(b["attention_mask"][i, width_p:].sum())
-        ids = b["responses"][i, :n].tolist()
-        prompt_ids = b["prompts"][i][prompt_valid].tolist()
-        mask = mask_all[i, :n].long().tolist()
-        versions = b["token_versions"][i, :n].tolist() if "token_versions" in keys else None
-        if versions is not None and batch.meta_info.get(PER_CALL_VERSIONS):  # turn-lockstep: the step's policy
+    for k, i in enumerate(rows):
+        attention = cols["attention_mask"][k]
+        n = sum(attention[width_p:])
+        ids = cols["responses"][k][:n]
+        prompt_ids = [t for t, a in zip(cols["prompts"][k], attention[:width_p]) if a]
+        mask = cols["response_mask"][k][:n] if "response_mask" in cols else [1] * n
+        versions = cols["token_versions"][k][:n] if "token_versions" in cols else None
+        if versions is not None and per_call:  # turn-lockstep: the step's policy sampled every policy token
             versions = [v if v == ENV_VERSION else step - 1 for v in versions]
         row_version = _cell(nt.get("policy_version"), i)  # async GRPO: the version that sampled the row
         sampled_by = step - 1 if row_version is None else int(row_version)
-        advantages = b["advantages"][i, :n] if "advantages" in keys else None
-        masked_adv = advantages[torch.tensor(mask, dtype=torch.bool)] if advantages is not None and n else None
+        advantages = cols["advantages"][k][:n] if "advantages" in cols else None
+        in_loss = [a for a, m in zip(advantages or [], mask) if m]
         truncated = _cell(nt.get("truncated"), i)
         if truncated is None:  # single turn: cut at the length limit, not ended by eos
             truncated = n == width_r and n > 0 and ids[-1] != eos_id
@@ -129,20 +135,20 @@ def trajectory_rows(batch: DataProto, step: int, rows: Sequence[int], pieces: To
         ground_truth = _cell(nt.get("ground_truth"), i)
         if ground_truth is None and isinstance(task, dict):
             ground_truth = task.get("answer")
-        reward = float(b["token_level_scores"][i].sum()) if "token_level_scores" in keys else None
+        reward = sum(cols["token_level_scores"][k]) if "token_level_scores" in cols else None
         out.append({
             "step": step, "row": int(i), "group": str(_cell(nt.get("uid"), i)),
             "episode": None if "episode" not in nt else str(_cell(nt["episode"], i)),
             "data_source": _cell(nt.get("data_source"), i) or default_source,
             "ground_truth": None if ground_truth is None else str(ground_truth),
             "reward": reward if reward is None or math.isfinite(reward) else None,
-            "advantage": float(masked_adv.mean()) if masked_adv is not None and masked_adv.numel() else None,
+            "advantage": sum(in_loss) / len(in_loss) if in_loss and all(map(math.isfinite, in_loss)) else None,
             "truncated": bool(truncated), "num_turns": _cell(nt.get("num_turns"), i), "length": n,
             "policy_version": step - 1,
             "prompt_ids": prompt_ids, "prompt_pieces": pieces(prompt_ids),
             "ids": ids, "pieces": pieces(ids),
-            "sampler_logprob": _rounded(b["rollout_log_probs"][i, :n]) if "rollout_log_probs" in keys else None,
-            "trainer_logprob": _rounded(b[trainer_key][i, :n]) if trainer_key else None,
+            "sampler_logprob": _rounded(cols["rollout_log_probs"][k][:n]) if "rollout_log_probs" in cols else None,
+            "trainer_logprob": _rounded(cols[trainer_key][k][:n]) if trainer_key else None,
             "advantages": _rounded(advantages) if advantages is not None else None,
             "versions": versions if versions is not None else [sampled_by] * n,
             "mask": mask,
