@@ -25,7 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.serve:
-            server = InspectorServer(args.folder, args.port, last=args.last)
+            try:
+                server = InspectorServer(args.folder, args.port, last=args.last)
+            except OSError as exc:
+                raise ValueError(f"cannot serve on 127.0.0.1:{args.port}: {exc}") from exc
             print(f"serving {args.folder} at {server.url}  (Ctrl-C stops)", flush=True)
             try:
                 server.serve_forever()

@@ -2,6 +2,7 @@
 loopback server's token check and the command line's errors."""
 
 import json
+import re
 import subprocess
 import sys
 import urllib.error
@@ -105,6 +106,26 @@ def test_server_binds_loopback_and_refuses_requests_without_the_token(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_command_line_serves_at_the_url_it_prints(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "rlcore.inspect", str(make_run(tmp_path / "run")), "--serve"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # "serving <folder> at <url>  (Ctrl-C stops)"
+        url = re.search(r"at (http://127\.0\.0\.1:\d+/\?token=\S+)", line).group(1)
+        assert get(url)[0] == 200 and get(url.split("?")[0])[0] == 403
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    busy = InspectorServer(tmp_path / "run")  # a port in use: an error naming it, not a traceback
+    try:
+        port = busy.server_address[1]
+        out = subprocess.run([sys.executable, "-m", "rlcore.inspect", str(tmp_path / "run"), "--serve", "--port", str(port)],
+                             cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and f"cannot serve on 127.0.0.1:{port}" in out.stderr
+    finally:
+        busy.server_close()
 
 
 def test_command_line_writes_the_page_or_names_the_bad_folder(tmp_path):
