@@ -217,7 +217,7 @@ def test_chat_segments_group_by_episode_and_text_stays_text(browser, tmp_path):
             "sampler_logprob": [-0.5, -0.5], "trainer_logprob": None, "advantages": [0.5, 0.5], "length": 2,
             "versions": [0, 0], "mask": [1, 1], "segments": [["policy", 0, 2]], "ids": [5, 6]}
     lines = [{**base, "row": 0, "episode": "e7", "pieces": ["4", evil]},
-             {**base, "row": 1, "episode": "e7", "pieces": ["o", "k"]},
+             {**base, "row": 1, "episode": "e7", "pieces": ["o", "k"], "mask": [1, 0]},  # "k" out of the loss
              {**base, "row": 2, "episode": "e8", "pieces": ["5", "!"], "reward": 0.0}]
     (run / "trajectories" / "step_000001.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     bare = {"step": 2, "row": 0, "group": "0", "pieces": ["a", "b", "c"], "reward": None}  # what a record needs
@@ -235,6 +235,10 @@ def test_chat_segments_group_by_episode_and_text_stays_text(browser, tmp_path):
     tab.locator('.resp[data-row="0"] .bar').click()
     assert tab.locator('.resp[data-row="0"] .tok').nth(1).inner_text() == evil
     assert tab.evaluate("window.pwned") is None and tab.locator("img").count() == 0
+    tab.locator('.resp[data-row="1"] .bar').click()
+    assert tab.locator('.resp[data-row="1"] .tok.masked').all_inner_texts() == ["k"]
+    assert tab.locator('.resp[data-row="0"] .tok.masked').count() == 0
+    assert tab.locator('.resp[data-row="1"] .tok.masked').evaluate("n => getComputedStyle(n).textDecorationLine") == "line-through"
     tab.select_option("#mode", "ratio")
     assert tab.locator(".note", has_text="no trainer log-probs").count() == 1  # said, not drawn as ratio 1
     assert "not logged by this run" in tab.inner_text('.chart[data-chart="Reward"]')  # no metrics.jsonl
