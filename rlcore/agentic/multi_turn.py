@@ -10,7 +10,7 @@ the simple path and the baseline ``benchmarks/agentic.py`` measures that against
 
 Trajectories, budget and the layout are those of ``rlcore.agentic.episode`` (``play_episode``'s
 rules, turn for turn); tokens carry policy version 0 (the engine's weights do not change during a
-call). As there, the envs render their turns through the tokenizer's chat template as deltas, and
+call), which ``meta_info[PER_CALL_VERSIONS]`` says: 0 is this call's weights, not a run's version. As there, the envs render their turns through the tokenizer's chat template as deltas, and
 the rollout only appends ids.
 """
 
@@ -28,6 +28,8 @@ from rlcore.agentic.env import Env, make_env
 from rlcore.agentic.episode import Trajectory, continue_after, env_call, to_dataproto
 from rlcore.agentic.router import SessionRouter
 from rlcore.engines.async_base import Completion
+
+PER_CALL_VERSIONS = "token_versions_per_call"  # meta_info key: token_versions count from this call's weights
 from rlcore.engines.base import Engine, Generation, SamplingSettings
 from rlcore.protocol import DataProto
 
@@ -83,7 +85,7 @@ class MultiTurnRollout:
                 if session in live:
                     self.router.release(session)
         out = to_dataproto(trajectories, self.pad_token_id, 1.0 if self.settings.greedy else self.settings.temperature)
-        out.meta_info.update({**self.settings.log_prob_meta(), "rollout/gen_time_s": gen_time,
+        out.meta_info.update({**self.settings.log_prob_meta(), PER_CALL_VERSIONS: True, "rollout/gen_time_s": gen_time,
                               "rollout/num_generated_tokens": int(out.batch["response_mask"].sum())})
         return out
 

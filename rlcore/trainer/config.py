@@ -69,6 +69,7 @@ class TrainerConfig:
     run_name: str = "default"
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     seed: int = 1  # driver RNG (python, numpy, torch), and each prompt batch's sampling seed (from seed, batch index)
+    trajectory_groups: int = 2  # prompt groups of each step written to <run>/trajectories/ for rlcore.inspect; 0: off
     deterministic: bool = False  # torch's deterministic algorithms in driver and workers (+ cuBLAS / vLLM settings on GPU)
 
     def __post_init__(self) -> None:
@@ -78,6 +79,8 @@ class TrainerConfig:
         for key in ("nnodes", "procs_per_node", "total_steps"):
             if getattr(self, key) < 1:
                 raise ValueError(f"trainer.{key} must be >= 1, got {getattr(self, key)}")
+        if self.trajectory_groups < 0:
+            raise ValueError(f"trainer.trajectory_groups must be >= 0 (0: off), got {self.trajectory_groups}")
         for key in ("save_freq", "val_freq"):  # step % -1 == 0: verl's "never" would mean "every step"
             if getattr(self, key) < 0:
                 raise ValueError(f"trainer.{key}={getattr(self, key)}: write 0 for never (verl's -1)")

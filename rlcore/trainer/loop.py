@@ -7,6 +7,8 @@ It owns the run folder ``<trainer.output_dir>/<trainer.project>/<trainer.run_nam
     checkpoints/       global_step_N/{actor,critic}/ (worker state) + hf/ (the policy as a HF model)
                        + trainer_state.pt (driver state)
     hf/                the policy after the last step as a HF model (config, tokenizer, safetensors)
+    trajectories/      step_N.jsonl: a few prompt groups of each step's batch, token by token
+                       (``trainer.trajectory_groups``; rlcore.trainer.trajectories), for ``python -m rlcore.inspect``
     config.yaml        the resolved config, model.path filled in: what ``python -m rlcore.trainer.export``
                        rebuilds a checkpoint's model from
     run.lock           held (``flock``) for the run's life; holds its pid
@@ -49,7 +51,7 @@ from typing import IO, Any, Protocol
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from rlcore.data.dataset import PromptLoader
 from rlcore.engines.seeding import derive_seed, set_deterministic
@@ -66,6 +68,7 @@ from rlcore.trainer.run_checkpoint import (
 )
 from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
+from rlcore.trainer.trajectories import TRAJECTORY_DIR, TrajectoryWriter
 
 CONSOLE_KEYS = (
     "critic/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
@@ -75,7 +78,7 @@ CONSOLE_KEYS = (
 
 
 LOCK_FILE = "run.lock"
-RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR, "wandb", "mlruns")  # what a run leaves in its folder
+RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR, "wandb", "mlruns", TRAJECTORY_DIR)  # what a run leaves in its folder
 
 
 class RunFolderError(RuntimeError):
@@ -157,6 +160,9 @@ class TrainingRun:
                                config=self.cfg, total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
         self._teardown.callback(lambda: self.tracker.close(failed=self._failed))
         save_run_config(self.cfg, self.dir)
+        source = OmegaConf.select(self.cfg, "env.name") or OmegaConf.select(self.cfg, "agent.path")  # episodes' rows
+        self.trajectories = TrajectoryWriter(self.dir / TRAJECTORY_DIR, t.trajectory_groups,
+                                             OmegaConf.select(self.cfg, "model.path"), self.start_step, source)
 
     # ------------------------------------------------------------------ the loop
     def steps(self) -> Iterator[int]:
@@ -194,6 +200,9 @@ class TrainingRun:
         if t.save_freq and step % t.save_freq == 0:
             with self.timer("save_checkpoint"):
                 self.save(step)
+        start = time.perf_counter()
+        self.trajectories.write(step, batch)
+        out["timing_s/trajectories"] = time.perf_counter() - start  # timed apart: no "throughput/" key for it
         out.update(self.balance_metrics())
         out.update(self.timer.metrics())
         out["timing_s/step"] = time.perf_counter() - self._step_start
