@@ -20,6 +20,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from recipes.chat_agent_grpo import chat_metrics
 from chat_helpers import CALC, CALL_TEXT, GREEDY, SAMPLED, SlowSteps, client, hand_greedy, render, serving
 from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
 from rlcore.agentic.chat_proxy import session_trajectories
@@ -389,5 +390,9 @@ def test_the_calculator_example_agent_runs_the_tool_the_model_calls(tool_model_d
 
     [segment] = asyncio.run(scenario())
     assert segment.reward == 1.0 and segment.turns == 2  # the call, then the answer
+    # one try of two requests (the tool result is no new try): right at the first try, which the
+    # metric missed when it counted requests
+    assert (segment.metrics["chat/requests"], segment.metrics["chat/tries"]) == (2.0, 1.0)
+    assert chat_metrics([segment])["episode/first_try_right"] == 1.0
     tok = AutoTokenizer.from_pretrained(tool_model_dir)
     assert tok.decode([t for t, m in zip(segment.token_ids, segment.policy_mask) if not m]) == "\ntool: 5\nassistant: "
