@@ -217,7 +217,10 @@ class ChatProxy:
             return await self._complete(self.sessions[session_id], req, anthropic=parse is parse_messages_request)
         except RequestError as exc:
             status = 413 if exc.code == "request_too_large" else 400
-            return self._error(request, status, str(exc), code=exc.code, param=exc.param)
+            message = str(exc)
+            if exc.code == "context_length_exceeded" and parse is parse_messages_request:
+                message = f"prompt is too long: {message}"  # how Anthropic's API words it, for agents that check
+            return self._error(request, status, message, code=exc.code, param=exc.param)
         except TimeoutError:
             return self._error(request, 504, f"generation did not finish within {self.config.request_timeout_s:g}s",
                                code="timeout")
