@@ -19,6 +19,7 @@ and generated alike, ``rlcore.agentic.chat_turn``):
                                             tool_use / tool_result blocks, tools with input_schema,
                                             tool_choice, stop_sequences, max_tokens, usage, and the
                                             message_start ... message_stop event stream
+    POST /s/{session}/v1/messages/count_tokens   the request's prompt rendered whole, counted
     GET  /s/{session}/v1/models             the one model, ``model_name``
 
 Sampling: by default every request samples with the run's settings (temperature, top-p, top-k):
@@ -66,7 +67,7 @@ from rlcore.agentic.anthropic_wire import (
     parse_messages_request,
 )
 from rlcore.agentic.chat import ChatDelta
-from rlcore.agentic.chat_session import ChatSession, RequestError
+from rlcore.agentic.chat_session import ChatSession, RequestError, template_message
 from rlcore.agentic.chat_stream import StreamedTurn
 from rlcore.agentic.chat_turn import TurnMaker
 from rlcore.agentic.episode import Generator, Trajectory
@@ -100,7 +101,7 @@ class SessionAccess:
     session_id: str
     base_url: str  # for openai.AsyncOpenAI(base_url=...): <session_url>/v1
     api_key: str
-    session_url: str = ""  # for anthropic.AsyncAnthropic(base_url=...), which adds /v1/messages itself
+    session_url: str  # for anthropic.AsyncAnthropic(base_url=...), which adds /v1/messages itself
 
 
 class _Server(uvicorn.Server):
@@ -204,6 +205,22 @@ class ChatProxy:
         async def messages(session_id: str, request: Request):
             return await self._serve(session_id, request, parse_messages_request, MAX_STOP_SEQUENCES)
 
+        @app.post("/s/{session_id}/v1/messages/count_tokens")
+        async def count_tokens(session_id: str, request: Request):
+            """The request's prompt rendered whole, counted (what a fresh session would start from)."""
+            denied = self._deny(session_id, request)
+            if denied is not None:
+                return denied
+            try:
+                body = await self._read_json(request)
+                req = parse_messages_request({"max_tokens": 1, **body} if isinstance(body, dict) else body)
+                req.tool_mode()
+                msgs = [template_message(m, i) for i, m in enumerate(req.messages)]
+                tools = {"tools": req.rendered_tools} if req.rendered_tools else {}
+                return {"input_tokens": len(self.delta.prompt(msgs, **tools))}
+            except RequestError as exc:
+                return self._error(request, 413 if exc.code == "request_too_large" else 400, str(exc))
+
         return app
 
     async def _serve(self, session_id: str, request: Request, parse, max_stops: int):
@@ -229,7 +246,7 @@ class ChatProxy:
     def _error(request: Request, status: int, message: str, code: str | None = None,
                param: str | None = None) -> JSONResponse:
         """An error in the request's wire format: Anthropic's on /v1/messages, OpenAI's elsewhere."""
-        if request.url.path.endswith("/v1/messages"):
+        if "/v1/messages" in request.url.path:
             return JSONResponse(anthropic_error(status, message), status_code=status)
         kind = "server_error" if status >= 500 else "invalid_request_error"
         return JSONResponse(error_body(message, kind, code=code, param=param), status_code=status)

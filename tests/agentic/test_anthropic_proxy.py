@@ -41,9 +41,15 @@ def test_a_greedy_reply_is_hf_greedy_with_the_system_prompt_and_real_usage(model
             blocks = await c.messages.create(model="policy", max_tokens=50,
                                              system=[{"type": "text", "text": system}],
                                              messages=[{"role": "user", "content": [{"type": "text", "text": "12+3="}]}])
-            return reply, blocks, rec.calls
+            counted = await c.messages.count_tokens(model="policy", system=system, messages=messages)
+            with_tools = await c.messages.count_tokens(model="policy", system=system, messages=messages, tools=[TOOL])
+            return reply, blocks, (counted, with_tools), rec.calls
 
-    reply, blocks, calls = asyncio.run(scenario())
+    reply, blocks, (counted, with_tools), calls = asyncio.run(scenario())
+    assert counted.input_tokens == len(prompt) == reply.usage.input_tokens
+    assert with_tools.input_tokens == len(render(tok, [{"role": "system", "content": system}] + messages,
+                                                 tools=[CALC])) > len(prompt)
+    assert len(calls) == 2  # counting generates nothing
     assert calls[0][1] == prompt and calls[0][2].token_ids == expected
     assert calls[1][1] == prompt  # text blocks are the same text
     assert [b.type for b in reply.content] == ["text"]
