@@ -83,12 +83,12 @@ class ChatDelta:
         full = self.render(self._probe[:1] + [{"role": "assistant", "content": "", "tool_calls": [call]}],
                            tools=list(tools))
         at = full.find(PROBE_TOOL, len(cue))
-        if not full.startswith(cue) or at < 0:
-            return None
+        args = full.find("{}", at + len(PROBE_TOOL))  # the probe's empty arguments, after the name
+        if not full.startswith(cue) or at < 0 or args < 0 or "{}" in full[len(cue):at]:
+            return None  # no calls rendered, or not the name first: no opening to give
         if name is None:
             return full[len(cue):at]
-        args = full.find("{", at + len(PROBE_TOOL))
-        return None if args < 0 else full[len(cue):at] + name + full[at + len(PROBE_TOOL):args]
+        return full[len(cue):at] + name + full[at + len(PROBE_TOOL):args]
 
     def close_turn(self, model_token_ids: Sequence[int]) -> list[int]:
         """The ids that close the model's turn and nothing more: the part of ``end_of_turn`` its

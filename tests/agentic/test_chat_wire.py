@@ -157,9 +157,22 @@ def test_the_tool_call_opening_is_read_off_the_template():
     delta = ChatDelta(tok)
     assert delta.tool_call_opening([CALC]) == '<tool_call>{"name": "'
     assert delta.tool_call_opening([CALC], "calc") == '<tool_call>{"name": "calc", "arguments": '
+    tok.chat_template = QWEN_LIKE  # Qwen2.5's way: the call's JSON on a line of its own
+    assert ChatDelta(tok).tool_call_opening([CALC]) == '<tool_call>\n{"name": "'
+    assert ChatDelta(tok).tool_call_opening([CALC], "calc") == '<tool_call>\n{"name": "calc", "arguments": '
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
                         "{% if add_generation_prompt %}assistant: {% endif %}"  # renders no tool calls
     assert ChatDelta(tok).tool_call_opening([CALC], "calc") is None
+
+
+QWEN_LIKE = (  # the shape of Qwen2.5's tool-calling template (ChatML, Hermes-style calls), abridged
+    "{% if tools %}<|im_start|>system{{ '\\n' }}{% for t in tools %}{{ t | tojson }}{{ '\\n' }}{% endfor %}"
+    "<|im_end|>{{ '\\n' }}{% endif %}{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant"
+    "{% if m['content'] %}{{ '\\n' + m['content'] }}{% endif %}{% for c in m.get('tool_calls', []) %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
+    "{{ c['function']['arguments'] | tojson }}}{{ '\\n</tool_call>' }}{% endfor %}<|im_end|>{{ '\\n' }}"
+    "{% else %}<|im_start|>{{ m['role'] + '\\n' + m['content'] }}<|im_end|>{{ '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant{{ '\\n' }}{% endif %}")
 
 
 def test_a_client_hang_up_leaves_no_asyncio_traceback(model_dir, caplog, capfd):
