@@ -8,7 +8,7 @@ from chat_helpers import CALC, CALL_TEXT, render
 from rlcore.models.tiny import build_tiny_model
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # trained once for the three modules that use it
 def tool_model_dir(tmp_path_factory):
     """The tiny model taught (by overfitting one conversation) to call ``calc`` on "2+3=", then,
     given the tool's result, to answer it."""

@@ -158,7 +158,7 @@ def test_tool_use_round_trip(tool_model_dir):
             forced = await c.messages.create(model="p", max_tokens=80, messages=messages, tools=[TOOL],
                                              tool_choice={"type": "tool", "name": "calc"})
             call = first.content[-1]
-            messages += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
+            messages += [{"role": "assistant", "content": first.content},  # the SDK's blocks, as agents pass them
                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "5"}]}]
             answer = await c.messages.create(model="p", max_tokens=80, messages=messages, tools=[TOOL])
             return first, streamed, forced, answer, proxy.close_session("s"), rec.calls
