@@ -9,6 +9,7 @@ import dataclasses
 import gc
 import json
 import logging
+import shutil
 
 import httpx
 import openai
@@ -209,3 +210,24 @@ def test_a_client_hang_up_leaves_no_asyncio_traceback(model_dir, caplog, capfd):
     out, err = capfd.readouterr()
     for text in (logged, out, err):
         assert "never retrieved" not in text and "CancelledError" not in text
+
+
+def test_a_forced_tool_choice_on_a_template_without_tool_calls_is_a_400(model_dir, tmp_path):
+    plain = tmp_path / "plain"
+    shutil.copytree(model_dir, plain)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
+                        "{% if add_generation_prompt %}assistant: {% endif %}"
+    tok.save_pretrained(plain)
+
+    async def scenario():
+        async with serving(str(plain), GREEDY) as (proxy, rec, _):
+            access = proxy.open_session("s", 300)
+            forced = await post(access, {"messages": MESSAGES, "tools": [CALC], "tool_choice": "required"})
+            auto = await post(access, {"messages": MESSAGES, "tools": [CALC]})
+            return forced, auto, len(rec.calls)
+
+    (status, body), (auto_status, _), calls = asyncio.run(scenario())
+    assert status == 400 and body["error"]["param"] == "tool_choice"
+    assert "chat template does not write tool calls" in body["error"]["message"]
+    assert auto_status == 200 and calls == 1  # the refused request never reached the engine
