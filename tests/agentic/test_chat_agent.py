@@ -267,3 +267,12 @@ def test_agent_kwargs_the_class_does_not_take_fail_before_any_engine(tmp_path, m
     with pytest.raises(TypeError, match=r"\['turn'\] that it does not take.*NeedsTurns\(turns\)"):
         ChatAgentSpec(f"{path}:NeedsTurns", "unused", SAMPLED, {"turn": 2})
     assert ChatAgentSpec(f"{path}:NeedsTurns", "unused", SAMPLED, {"turns": 2}).agent_kwargs == {"turns": 2}
+
+
+def test_synchronous_agents_get_a_thread_per_episode_in_flight_unless_set(monkeypatch):
+    spec = run_recipe_until_engines(["agentic.groups_in_flight=5", "rollout.n=3"], monkeypatch)
+    assert spec.sync_threads == 15  # every episode a runner may play at once
+    spec = run_recipe_until_engines(["agentic.groups_in_flight=5", "rollout.n=3", "agent.sync_threads=4"], monkeypatch)
+    assert spec.sync_threads == 4
+    with pytest.raises(ValueError, match="agent.sync_threads must be >= 1"):
+        run_recipe_until_engines(["agent.sync_threads=0"], monkeypatch)
