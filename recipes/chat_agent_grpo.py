@@ -49,8 +49,9 @@ def train(cfg: DictConfig) -> TrainingRun:
     def agent_runners(engines, sampling):
         proxy = ChatProxyConfig(max_request_bytes=g.max_request_bytes, max_n=g.max_n,
                                 request_timeout_s=g.request_timeout_s)
+        in_flight = (a.groups_in_flight or cfg.data.train_batch_size) * cfg.rollout.n  # at most, on one runner
         spec = ChatAgentSpec(g.path, cfg.model.path, sampling, agent_kwargs, g.max_total_tokens,
-                             g.episode_timeout_s, proxy)
+                             g.episode_timeout_s, proxy, sync_threads=g.sync_threads or in_flight)
         return start_runners(a.num_runners, spec, engines, num_cpus=a.cpus_per_runner, runner_cls=ChatAgentRunner)
 
     def describe(played, version):
@@ -61,15 +62,19 @@ def train(cfg: DictConfig) -> TrainingRun:
 
 
 def chat_metrics(segments: list) -> dict[str, float]:
-    """Per episode (its first segment): reward, replies, first reply right; per segment: count."""
+    """Per episode (its first segment): reward, requests, tries, right at the first try (rewarded after one
+    try: tool calls and retried requests are part of a try, a new user message starts the next); per
+    segment: count."""
     first: dict = {}
     for t in segments:
         first.setdefault(t.episode_id, t)
     episodes = list(first.values())
     rewards = np.array([t.reward for t in episodes])
     requests = np.array([t.metrics["chat/requests"] for t in episodes])
+    tries = np.array([t.metrics["chat/tries"] for t in episodes])
     return {"episode/reward_mean": float(rewards.mean()), "episode/requests_mean": float(requests.mean()),
-            "episode/first_try_right": float(((requests == 1) & (rewards > 0)).mean()),
+            "episode/tries_mean": float(tries.mean()),
+            "episode/first_try_right": float(((tries == 1) & (rewards > 0)).mean()),
             "episode/segments_mean": float(np.mean([t.metrics["chat/segments"] for t in episodes])),
             "episode/discarded_replies": float(np.sum([t.metrics["chat/discarded_replies"] for t in episodes])),
             "episode/agent_s_mean": float(np.mean([t.metrics["episode/agent_s"] for t in episodes]))}

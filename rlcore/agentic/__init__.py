@@ -13,9 +13,11 @@
 - ``replay_buffer``: ``ReplayBuffer`` (staleness-bounded, version-tagged rows),
   ``importance_weights``, ``AsyncRolloutLoop`` (a producer thread over a rollout group);
 - ``router``: ``SessionRouter`` over synchronous engines (batched turns);
-- ``chat_agent``: the ``ChatAgent`` contract (a black-box agent on the OpenAI client) and
-  ``ChatAgentRunner``; ``chat_proxy``: the per-session OpenAI-compatible endpoint it talks to;
-  ``chat_session``: its token-exact trajectories; ``openai_wire``, ``tool_calls``: the wire format.
+- ``chat_agent``: the ``ChatAgent`` contract (a black-box agent on the OpenAI or the Anthropic
+  client) and ``ChatAgentRunner``; ``chat_proxy``: the per-session OpenAI- and Anthropic-compatible
+  endpoints it talks to; ``chat_session``: its token-exact trajectories; ``chat_turn``: one request's
+  generation; ``chat_stream``: streamed replies; ``openai_wire``, ``anthropic_wire``, ``tool_calls``:
+  the wire formats.
 """
 
 from rlcore.agentic.async_router import AsyncSessionRouter

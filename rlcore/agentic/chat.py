@@ -29,6 +29,7 @@ from rlcore.agentic.text_codec import TextCodec
 
 PROBE_USER = "\u2063probe\u2063"
 PROBE_REPLY = "\u2063reply\u2063"
+PROBE_TOOL = "probe_tool_\u2063"
 
 
 class ChatDelta:
@@ -72,6 +73,22 @@ class ChatDelta:
             raise ValueError("the chat template re-renders the probe conversation when messages follow it; "
                              "delta rendering needs earlier turns to render the same")
         return self.encode(self._missing_end_of_turn(model_token_ids) + full[len(probe_text):])
+
+    def tool_call_opening(self, tools: Sequence[Mapping[str, Any]], name: str | None = None) -> str | None:
+        """The text the template starts an assistant tool call with, up to where the model writes the
+        function's name (``name=None``), or with ``name`` written, up to its arguments: what a forced
+        ``tool_choice`` puts at the start of the turn. None when the template renders no tool calls."""
+        call = {"id": "call_probe", "type": "function", "function": {"name": PROBE_TOOL, "arguments": {}}}
+        cue = self.render(self._probe[:1], add_generation_prompt=True, tools=list(tools))
+        full = self.render(self._probe[:1] + [{"role": "assistant", "content": "", "tool_calls": [call]}],
+                           tools=list(tools))
+        at = full.find(PROBE_TOOL, len(cue))
+        args = full.find("{}", at + len(PROBE_TOOL))  # the probe's empty arguments, after the name
+        if not full.startswith(cue) or at < 0 or args < 0 or "{}" in full[len(cue):at]:
+            return None  # no calls rendered, or not the name first: no opening to give
+        if name is None:
+            return full[len(cue):at]
+        return full[len(cue):at] + name + full[at + len(PROBE_TOOL):args]
 
     def close_turn(self, model_token_ids: Sequence[int]) -> list[int]:
         """The ids that close the model's turn and nothing more: the part of ``end_of_turn`` its

@@ -12,7 +12,10 @@ and takes the trajectory from what the endpoint served (``rlcore.agentic.chat_pr
             return float(reply.choices[0].message.content.strip() == ctx.label)
 
 A fresh agent instance plays each episode. ``run`` may also be a plain ``def`` (a synchronous
-client): it then runs in a thread while the endpoint serves it on the event loop. Its return value
+client): it then runs in a thread of the runner's own pool (``sync_threads`` of them: as many as
+episodes are in flight, not asyncio's default pool of ``cpu_count + 4``, which on a small machine
+let only ~6 synchronous episodes run at once) while the endpoint serves it on the event loop; its
+``episode_timeout_s`` counts from when its thread starts it, not from when it queued. Its return value
 is the episode's reward (a number, or a ``Result`` with ``reward`` and scalar ``info``); every
 segment of the episode gets it. An agent that raises, or outlives ``episode_timeout_s``, is an
 ``AgentError`` naming it and the session; one that never asked the model has nothing to train on,
@@ -26,6 +29,7 @@ coroutines, and routes every session's requests to one engine.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import importlib
 import importlib.util
@@ -61,8 +65,9 @@ class ChatContext:
     label: Any  # the task's answer / ground truth
     task: Mapping[str, Any]  # the whole dataset row
     session_id: str
-    base_url: str  # http://127.0.0.1:<port>/s/<session>/v1
-    api_key: str  # this session's key (opens no other session)
+    base_url: str  # http://127.0.0.1:<port>/s/<session>/v1: for openai.AsyncOpenAI(base_url=...)
+    api_key: str  # this session's key (opens no other session); Anthropic's client sends it as x-api-key
+    session_url: str  # http://127.0.0.1:<port>/s/<session>: for anthropic.AsyncAnthropic(base_url=...)
     model_name: str
     sampling: Mapping[str, Any]  # the run's defaults: temperature, top_p, max_tokens (per turn)
     max_length: int  # prompt + all replies of a segment, in tokens
@@ -135,12 +140,15 @@ class ChatAgentSpec:
     max_total_tokens: int = 128
     episode_timeout_s: float = 300.0
     proxy: ChatProxyConfig = ChatProxyConfig()
+    sync_threads: int = 64  # threads for synchronous agents (def run): the episodes a runner plays at once
 
     def __post_init__(self) -> None:
         where, _, name = self.agent.rpartition(":")
         if where.endswith(".py") and not os.path.isabs(where):  # runner actors need not share our cwd
             object.__setattr__(self, "agent", f"{os.path.abspath(where)}:{name}")
         load_agent(self.agent, self.agent_kwargs)  # a bad path or kwargs fail here, in the driver
+        if self.sync_threads < 1:
+            raise ValueError(f"sync_threads must be >= 1, got {self.sync_threads}")
 
 
 def _outcome(value: Any, agent: str, session_id: str) -> tuple[float, dict[str, float]]:
@@ -162,6 +170,7 @@ class ChatAgentRunner:
         self.proxy = ChatProxy(self.router, self.tokenizer, spec.sampling, spec.proxy)
         self._starting: asyncio.Lock | None = None
         self.http_client: Any = None  # made on the actor's loop, with the proxy
+        self.threads: concurrent.futures.ThreadPoolExecutor | None = None  # for synchronous agents, made on use
         self.episodes_done = 0
 
     async def url(self) -> str:
@@ -178,6 +187,28 @@ class ChatAgentRunner:
         await self.proxy.stop()
         if self.http_client is not None:
             await self.http_client.aclose()
+        if self.threads is not None:  # a synchronous agent still running past its timeout is not waited for
+            self.threads.shutdown(wait=False, cancel_futures=True)
+
+    async def _run_sync(self, agent: Any, ctx: ChatContext) -> Any:
+        """``agent.run(ctx)`` in a thread of the runner's pool; the timeout counts from the thread's start."""
+        if self.threads is None:
+            self.threads = concurrent.futures.ThreadPoolExecutor(self.spec.sync_threads, "rlcore-agent")
+        loop, started = asyncio.get_running_loop(), asyncio.Event()
+
+        def run() -> Any:
+            loop.call_soon_threadsafe(started.set)
+            return agent.run(ctx)
+
+        future = loop.run_in_executor(self.threads, run)
+        try:
+            await asyncio.wait_for(started.wait(), timeout=self.spec.episode_timeout_s)
+        except asyncio.TimeoutError:
+            future.cancel()
+            raise AgentError(f"{self.spec.agent}: no thread was free to run it within {self.spec.episode_timeout_s:g}s "
+                             f"(session {ctx.session_id}): all {self.spec.sync_threads} threads for synchronous "
+                             "agents are busy (agent.sync_threads)") from None
+        return await asyncio.wait_for(future, timeout=self.spec.episode_timeout_s)
 
     def _context(self, task: Mapping[str, Any], access) -> ChatContext:
         messages = task.get("messages")
@@ -191,7 +222,8 @@ class ChatAgentRunner:
         return ChatContext(
             messages=messages, tools=task.get("tools"), prompt=users[-1] if users and isinstance(users[-1], str) else "",
             label=task.get("answer", task.get("label")), task=dict(task), session_id=access.session_id,
-            base_url=access.base_url, api_key=access.api_key, model_name=self.spec.proxy.model_name,
+            base_url=access.base_url, api_key=access.api_key, session_url=access.session_url,
+            model_name=self.spec.proxy.model_name,
             sampling={"temperature": 0.0 if s.greedy else s.temperature, "top_p": s.top_p,
                       "max_tokens": s.max_new_tokens},
             max_length=self.spec.max_total_tokens, http_client=self.http_client)
@@ -203,8 +235,10 @@ class ChatAgentRunner:
         agent, start = self.agent_cls(**dict(self.spec.agent_kwargs)), time.perf_counter()
         try:
             ctx = self._context(task, access)
-            run = agent.run(ctx) if inspect.iscoroutinefunction(agent.run) else asyncio.to_thread(agent.run, ctx)
-            value = await asyncio.wait_for(run, timeout=self.spec.episode_timeout_s)
+            if inspect.iscoroutinefunction(agent.run):
+                value = await asyncio.wait_for(agent.run(ctx), timeout=self.spec.episode_timeout_s)
+            else:
+                value = await self._run_sync(agent, ctx)
         except asyncio.TimeoutError:
             raise AgentError(f"{self.spec.agent} did not finish within {self.spec.episode_timeout_s:g}s "
                              f"(session {session_id})") from None

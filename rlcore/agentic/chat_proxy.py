@@ -1,17 +1,25 @@
-"""An OpenAI-compatible chat endpoint per session, token-exact: how a black-box agent is trained.
+"""OpenAI- and Anthropic-compatible chat endpoints per session, token-exact: how a black-box agent is trained.
 
-Why: much agent code owns its loop and talks to a model only through the OpenAI client
-(``chat.completions.create``, tool calls, tool results, again). Point that client at
-``ctx.base_url`` (``http://127.0.0.1:<port>/s/<session>/v1``) and every request of the episode is
+Why: much agent code owns its loop and talks to a model only through the OpenAI or the Anthropic
+client (a request, tool calls, tool results, again). Point that client at ``ctx.base_url``
+(``http://127.0.0.1:<port>/s/<session>/v1``, OpenAI's) or ``ctx.session_url`` (the same without
+``/v1``: Anthropic's client adds ``/v1/messages`` itself) and every request of the episode is
 served by the policy: the session in the URL path keeps all its turns on one engine (the
 session-sticky router) and in one token-exact trajectory (``rlcore.agentic.chat_session``), so
 the agent needs no ``extra_body`` and no change at all.
 
-Routes (OpenAI wire format, ``rlcore.agentic.openai_wire``):
-    POST /s/{session}/v1/chat/completions   non-streaming, or SSE deltas with ``stream=true``
-                                            (``stream_options.include_usage``); n, max_tokens /
-                                            max_completion_tokens, stop, logprobs / top_logprobs,
-                                            tools -> structured ``tool_calls``; real ``usage``
+Routes (both wire formats are decoded into one canonical request, ``openai_wire.ChatRequest``,
+and generated alike, ``rlcore.agentic.chat_turn``):
+    POST /s/{session}/v1/chat/completions   OpenAI's (``openai_wire``): non-streaming, or SSE deltas
+                                            with ``stream=true`` (``stream_options.include_usage``);
+                                            n, max_tokens / max_completion_tokens, stop, logprobs /
+                                            top_logprobs, tools -> structured ``tool_calls``,
+                                            tool_choice; real ``usage``
+    POST /s/{session}/v1/messages           Anthropic's (``anthropic_wire``): system, text /
+                                            tool_use / tool_result blocks, tools with input_schema,
+                                            tool_choice, stop_sequences, max_tokens, usage, and the
+                                            message_start ... message_stop event stream
+    POST /s/{session}/v1/messages/count_tokens   the request's prompt rendered whole, counted
     GET  /s/{session}/v1/models             the one model, ``model_name``
 
 Sampling: by default every request samples with the run's settings (temperature, top-p, top-k):
@@ -26,10 +34,10 @@ characters, never part of a stop string or of a tool call), tool calls whole at 
 session records the same reply as the non-streamed path would; a client that hangs up mid-stream
 cancels the request in the engine and leaves nothing recorded.
 
-Safety: binds 127.0.0.1 on a port the kernel picks; every request carries ``Bearer <key>`` where
-the key is an HMAC of the session id under a per-run secret, so one session's key opens no other
-session; bodies over ``max_request_bytes`` get a 413; any error is OpenAI's error body with a 4xx
-or 5xx, never a dead server.
+Safety: binds 127.0.0.1 on a port the kernel picks; every request carries the key, as ``Bearer
+<key>`` (OpenAI) or ``x-api-key`` (Anthropic), where the key is an HMAC of the session id under a
+per-run secret, so one session's key opens no other session; bodies over ``max_request_bytes``
+get a 413; any error is the wire format's error body with a 4xx or 5xx, never a dead server.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import json
 import secrets
 import socket
 from collections.abc import Hashable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -50,19 +58,27 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from rlcore.agentic.anthropic_wire import (
+    MAX_STOP_SEQUENCES,
+    AnthropicStream,
+    anthropic_error,
+    message_id,
+    message_response,
+    parse_messages_request,
+)
 from rlcore.agentic.chat import ChatDelta
-from rlcore.agentic.chat_session import ChatSession, Reply, RequestError
+from rlcore.agentic.chat_session import ChatSession, RequestError, template_message
 from rlcore.agentic.chat_stream import StreamedTurn
+from rlcore.agentic.chat_turn import TurnMaker
 from rlcore.agentic.episode import Generator, Trajectory
 from rlcore.agentic.openai_wire import (
     ChatRequest,
+    OpenAIStream,
     completion_id,
     completion_response,
     error_body,
-    logprobs_content,
     parse_request,
 )
-from rlcore.agentic.tool_calls import parse_tool_calls
 from rlcore.engines.base import SamplingSettings
 
 
@@ -73,6 +89,7 @@ class ChatProxyConfig:
     model_name: str = "policy"
     max_request_bytes: int = 1 << 20
     max_n: int = 8  # choices per request
+    max_stops: int = 4  # stop strings per OpenAI request (OpenAI's own limit)
     client_sampling: bool = False  # honour the request's temperature / top_p (not for training)
     request_timeout_s: float = 300.0  # one request's generation
 
@@ -82,8 +99,9 @@ class SessionAccess:
     """What an agent needs to reach its session."""
 
     session_id: str
-    base_url: str  # for openai.AsyncOpenAI(base_url=...)
+    base_url: str  # for openai.AsyncOpenAI(base_url=...): <session_url>/v1
     api_key: str
+    session_url: str  # for anthropic.AsyncAnthropic(base_url=...), which adds /v1/messages itself
 
 
 class _Server(uvicorn.Server):
@@ -97,6 +115,7 @@ class ChatProxy:
                  config: ChatProxyConfig = ChatProxyConfig(), secret: bytes | None = None) -> None:
         self.generator, self.tokenizer, self.sampling, self.config = generator, tokenizer, sampling, config
         self.delta = ChatDelta(tokenizer)
+        self.turns = TurnMaker(generator, tokenizer, sampling, self.delta, config.client_sampling)
         self._secret = secret or secrets.token_bytes(32)
         self.sessions: dict[str, ChatSession] = {}
         self.url: str | None = None
@@ -146,7 +165,8 @@ class ChatProxy:
         if session_id in self.sessions:
             raise ValueError(f"session {session_id!r} is already open")
         self.sessions[session_id] = ChatSession(session_id, self.delta, max_total_tokens)
-        return SessionAccess(session_id, f"{self.url}/s/{session_id}/v1", self.api_key(session_id))
+        root = f"{self.url}/s/{session_id}"
+        return SessionAccess(session_id, f"{root}/v1", self.api_key(session_id), root)
 
     def close_session(self, session_id: str) -> ChatSession:
         """The session, sealed and no longer served; ``.segments`` are its trajectories."""
@@ -162,13 +182,12 @@ class ChatProxy:
         app = FastAPI(title="rlcore chat proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
         @app.exception_handler(HTTPException)
-        async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-            return JSONResponse(error_body(str(exc.detail), code=str(exc.status_code)), status_code=exc.status_code)
+        async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+            return self._error(request, exc.status_code, str(exc.detail), code=str(exc.status_code))
 
         @app.exception_handler(Exception)
-        async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-            return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
-                                status_code=500)
+        async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+            return self._error(request, 500, f"internal error: {type(exc).__name__}: {exc}", code="server_error")
 
         @app.get("/s/{session_id}/v1/models")
         async def models(session_id: str, request: Request):
@@ -180,33 +199,67 @@ class ChatProxy:
 
         @app.post("/s/{session_id}/v1/chat/completions")
         async def chat_completions(session_id: str, request: Request):
+            return await self._serve(session_id, request, parse_request, self.config.max_stops)
+
+        @app.post("/s/{session_id}/v1/messages")
+        async def messages(session_id: str, request: Request):
+            return await self._serve(session_id, request, parse_messages_request, MAX_STOP_SEQUENCES)
+
+        @app.post("/s/{session_id}/v1/messages/count_tokens")
+        async def count_tokens(session_id: str, request: Request):
+            """The request's prompt rendered whole, counted (what a fresh session would start from)."""
             denied = self._deny(session_id, request)
             if denied is not None:
                 return denied
             try:
                 body = await self._read_json(request)
-                req = parse_request(body)
-                req.check_supported(self.config.max_n)
-                return await self._complete(self.sessions[session_id], req)
+                req = parse_messages_request({"max_tokens": 1, **body} if isinstance(body, dict) else body)
+                req.tool_mode()
+                msgs = [template_message(m, i) for i, m in enumerate(req.messages)]
+                tools = {"tools": req.rendered_tools} if req.rendered_tools else {}
+                return {"input_tokens": len(self.delta.prompt(msgs, **tools))}
             except RequestError as exc:
-                status = 413 if exc.code == "request_too_large" else 400
-                return JSONResponse(error_body(str(exc), code=exc.code, param=exc.param), status_code=status)
-            except asyncio.TimeoutError:
-                return JSONResponse(error_body(f"generation did not finish within {self.config.request_timeout_s:g}s",
-                                               "server_error", code="timeout"), status_code=504)
+                return self._error(request, 413 if exc.code == "request_too_large" else 400, str(exc))
 
         return app
 
+    async def _serve(self, session_id: str, request: Request, parse, max_stops: int):
+        """One request on either wire: checked, decoded into the canonical request, generated."""
+        denied = self._deny(session_id, request)
+        if denied is not None:
+            return denied
+        try:
+            req = parse(await self._read_json(request))
+            req.check_supported(self.config.max_n, max_stops)
+            return await self._complete(self.sessions[session_id], req, anthropic=parse is parse_messages_request)
+        except RequestError as exc:
+            status = 413 if exc.code == "request_too_large" else 400
+            message = str(exc)
+            if exc.code == "context_length_exceeded" and parse is parse_messages_request:
+                message = f"prompt is too long: {message}"  # how Anthropic's API words it, for agents that check
+            return self._error(request, status, message, code=exc.code, param=exc.param)
+        except TimeoutError:
+            return self._error(request, 504, f"generation did not finish within {self.config.request_timeout_s:g}s",
+                               code="timeout")
+
+    @staticmethod
+    def _error(request: Request, status: int, message: str, code: str | None = None,
+               param: str | None = None) -> JSONResponse:
+        """An error in the request's wire format: Anthropic's on /v1/messages, OpenAI's elsewhere."""
+        if "/v1/messages" in request.url.path:
+            return JSONResponse(anthropic_error(status, message), status_code=status)
+        kind = "server_error" if status >= 500 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind, code=code, param=param), status_code=status)
+
     def _deny(self, session_id: str, request: Request) -> JSONResponse | None:
-        """401 without this session's key (checked first: an unknown id leaks nothing), 404 when closed."""
+        """401 without this session's key (checked first: an unknown id leaks nothing), 404 when closed.
+        The key comes as ``Authorization: Bearer <key>`` (OpenAI's clients) or ``x-api-key`` (Anthropic's)."""
         header = request.headers.get("authorization", "")
-        given = header[7:] if header.lower().startswith("bearer ") else ""
+        given = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), self.api_key(session_id).encode()):
-            return JSONResponse(error_body("invalid API key for this session", code="invalid_api_key"),
-                                status_code=401)
+            return self._error(request, 401, "invalid API key for this session", code="invalid_api_key")
         if session_id not in self.sessions:
-            return JSONResponse(error_body(f"session {session_id!r} is not open", code="session_not_found"),
-                                status_code=404)
+            return self._error(request, 404, f"session {session_id!r} is not open", code="session_not_found")
         return None
 
     async def _read_json(self, request: Request) -> Any:
@@ -225,98 +278,37 @@ class ChatProxy:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RequestError(f"the request body is not valid JSON: {exc}") from None
 
-    def _sampling_for(self, req: ChatRequest, room: int) -> SamplingSettings:
-        s = self.sampling
-        wanted = req.max_completion_tokens or req.max_tokens or s.max_new_tokens
-        changes: dict[str, Any] = {"n": 1, "max_new_tokens": min(wanted, s.max_new_tokens, room),
-                                   "stop": tuple(dict.fromkeys(s.stop + req.stops)),
-                                   "top_logprobs": (req.top_logprobs or 0) if req.logprobs else 0}
-        if self.config.client_sampling:
-            if req.temperature is not None:
-                changes.update(temperature=req.temperature, do_sample=req.temperature > 0)
-            if req.top_p is not None:
-                changes["top_p"] = req.top_p
-        return replace(s, **changes)
-
-    async def _complete(self, session: ChatSession, req: ChatRequest):
+    async def _complete(self, session: ChatSession, req: ChatRequest, anthropic: bool):
         if req.stream:
-            return await self._stream(session, req)
+            return await self._stream(session, req, anthropic)
         async with session.lock:
-            context = session.context_for(req.messages, req.tools)
-            sampling = self._sampling_for(req, session.room())
-            completions = await asyncio.wait_for(
-                asyncio.gather(*[self.generator.generate(context, sampling, session.session_id)
-                                 for _ in range(req.n)]), timeout=self.config.request_timeout_s)
+            turn = self.turns.prepare(session, req)
+            completions = await self.turns.complete(turn, req.n, session.session_id, self.config.request_timeout_s)
             if any(c.finish_reason == "abort" for c in completions):
-                return JSONResponse(error_body("the engine aborted the request", "server_error", code="aborted"),
+                return JSONResponse(anthropic_error(503, "the engine aborted the request") if anthropic else
+                                    error_body("the engine aborted the request", "server_error", code="aborted"),
                                     status_code=503)
-            replies, finish, pieces = [], [], []
-            for c in completions:
-                reply, reason, token_pieces = self._reply(c, sampling.stop, req)
-                replies.append(reply)
-                finish.append(reason)
-                pieces.append(token_pieces)
-            session.record(replies)
-        rid, model = completion_id(), self.config.model_name
-        logprobs = [[lp for _, lp in p] for p in pieces] if req.logprobs else None
-        return JSONResponse(completion_response(rid, model, len(context), replies, finish, logprobs))
+            choices = [self.turns.choice(c, turn, req) for c in completions]
+            session.record([c.reply for c in choices])
+        model = self.config.model_name
+        if anthropic:
+            return JSONResponse(message_response(message_id(), model, len(turn.prompt), choices[0]))
+        return JSONResponse(completion_response(completion_id(), model, len(turn.prompt), choices, req.logprobs))
 
-    async def _stream(self, session: ChatSession, req: ChatRequest) -> StreamingResponse:
+    async def _stream(self, session: ChatSession, req: ChatRequest, anthropic: bool) -> StreamingResponse:
         """A streamed reply: the session's lock is taken here (a bad request is still a 4xx) and handed
         to the turn's producer, which releases it when done."""
         await asyncio.wait_for(session.lock.acquire(), timeout=self.config.request_timeout_s)
         try:
-            context = session.context_for(req.messages, req.tools)
-            turn = StreamedTurn(self, session, req, context, self._sampling_for(req, session.room()), completion_id())
+            turn = self.turns.prepare(session, req)
+            model = self.config.model_name
+            fmt = (AnthropicStream(message_id(), model, len(turn.prompt)) if anthropic
+                   else OpenAIStream(completion_id(), model, req))
+            streamed = StreamedTurn(self.turns, session, req, turn, self.config.request_timeout_s, fmt)
         except BaseException:
             session.lock.release()
             raise
-        return StreamingResponse(turn.start().events(), media_type="text/event-stream")
-
-    def engine_stream(self, context: list[int], sampling: SamplingSettings, session_id: Hashable):
-        """The generator's token stream for one choice; a generator that cannot stream gives the turn whole."""
-        stream = getattr(self.generator, "generate_stream", None)
-        if stream is not None:
-            return stream(context, sampling, session_id)
-        return _whole(self.generator.generate(context, sampling, session_id))
-
-    def _reply(self, c, stops: tuple[str, ...], req: ChatRequest) -> tuple[Reply, str, list]:
-        """The assistant message of one completion, its finish reason, and its content token by token
-        (text, log-prob entry): the text before the first stop string, tool calls parsed out."""
-        texts = self._token_texts(c.token_ids)
-        full = "".join(texts)
-        cut = min([i for i in (full.find(s) for s in stops) if i >= 0], default=len(full))
-        text = full[:cut]
-        content, calls = parse_tool_calls(text) if req.parse_tools else (text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [call.to_openai() for call in calls]
-        reason = "tool_calls" if calls else ("length" if c.finish_reason == "length" and cut == len(full) else "stop")
-        reply = Reply(c, message)
-        entries = logprobs_content(reply, self._token_text) if req.logprobs else [None] * len(texts)
-        pieces, used = [], 0
-        for piece, entry in zip(texts, entries):
-            piece = piece[:max(cut - used, 0)]
-            used += len(piece)
-            if piece or entry is not None:
-                pieces.append((piece, entry))
-        return reply, reason, pieces
-
-    def _token_text(self, token_id: int) -> str:
-        return self.delta.codec.decode([token_id], skip_special_tokens=False)
-
-    def _token_texts(self, token_ids: list[int]) -> list[str]:
-        """Each token's share of the decoded text (special tokens as ''), joined: the whole text."""
-        out, previous = [], ""
-        for i in range(len(token_ids)):
-            text = self.delta.codec.decode(token_ids[: i + 1], skip_special_tokens=True)
-            out.append(text[len(previous):] if text.startswith(previous) else "")
-            previous = text if text.startswith(previous) else previous
-        return out
-
-
-async def _whole(completion):
-    yield await completion
+        return StreamingResponse(streamed.start().events(), media_type="text/event-stream")
 
 
 def session_trajectories(session: ChatSession, reward: float, info: dict[str, float] | None = None,
@@ -327,6 +319,7 @@ def session_trajectories(session: ChatSession, reward: float, info: dict[str, fl
         seg.reward, seg.terminated = float(reward), True
         seg.info.update(info or {})
         seg.metrics.update({"chat/segments": float(len(session.segments)), "chat/requests": float(session.requests),
+                            "chat/tries": float(session.tries),
                             "chat/discarded_replies": float(session.discarded_replies)})
         seg.episode_id = episode
     return session.segments

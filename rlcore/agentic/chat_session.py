@@ -16,6 +16,12 @@ the client dropped) generates again from the same context, the unseen reply disc
 no request follows, the agent is taken to have used ``choices[0]``, as nearly every agent does.
 
 A session's requests are served one at a time (``lock``): its history is a single line.
+
+``tries`` counts the agent's attempts at its task, for ``episode/first_try_right``: the first
+request opens one, a request that adds a *user* message after the model's reply opens the next
+(the agent said "no, again"), and so does one that rewrites the history and ends with a user
+message; tool results, retries of the same request and extra choices do not (a tool-using agent's
+one try takes several requests).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Reply:
 
     completion: Completion
     message: dict[str, Any]
+    forced: list[int] = field(default_factory=list)  # ids put before the model's (a forced tool call's opening)
 
 
 def template_message(message: Mapping[str, Any], index: int) -> dict[str, Any]:
@@ -114,6 +121,7 @@ class ChatSession:
     tools: list[Any] | None = None
     pending: list[Reply] = field(default_factory=list)  # the last request's replies, not yet continued
     requests: int = 0
+    tries: int = 0
     discarded_replies: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -130,6 +138,7 @@ class ChatSession:
             for reply in self.pending if extends else []:
                 if _same_message(msgs[n], template_message(reply.message, n)):
                     self._continue_with(reply)
+                    self.tries += any(m["role"] == "user" for m in msgs[n + 1:])
                     ids = self.delta.after_model_turn(reply.completion.token_ids, msgs[n + 1:], **kwargs)
                     self._check_room(len(self.current) + len(ids))
                     self.current.add_observation(ids)
@@ -140,6 +149,7 @@ class ChatSession:
                 self.pending = []
                 return self.current.context()
         self._seal()
+        self.tries += self.tries == 0 or msgs[-1]["role"] == "user"
         prompt = self.delta.prompt(msgs, **kwargs)
         self._check_room(len(prompt))
         self.current, self.known, self.tools = Trajectory(prompt), msgs, tools
@@ -164,6 +174,8 @@ class ChatSession:
                                code="context_length_exceeded", param="messages")
 
     def _continue_with(self, reply: Reply) -> None:
+        if reply.forced:
+            self.current.add_observation(reply.forced)
         self.current.add_model_turn(reply.completion)
         self.discarded_replies += len(self.pending) - 1
         self.pending = []

@@ -1,12 +1,14 @@
-"""A streamed chat reply (``stream=true``): SSE deltas sent as the engine samples the tokens.
+"""A streamed chat reply (``stream=true``): SSE events sent as the engine samples the tokens.
 
 Why a module of its own: the non-streamed path is one await and one JSON body; a stream has two
 sides that live apart. ``StreamedTurn`` runs a *producer* task, which holds the session's lock,
 consumes the engine's ``generate_stream`` (one per choice), builds each choice's reply exactly
-as the non-streamed path does (``ChatProxy._reply``) and records them in the session; and the
-response's *event* generator, which turns the tokens into deltas as they come (``TextStream``:
+as the non-streamed path does (``TurnMaker.choice``) and records them in the session; and the
+response's *event* generator, which turns the tokens into text as they come (``TextStream``:
 stable text only, never part of a stop string or a tool call), then the tool calls whole, each
-choice's finish reason, the usage, ``[DONE]``.
+choice's end, the usage. What those events look like on the wire is the formatter's business
+(``openai_wire.OpenAIStream``: chunks and ``[DONE]``; ``anthropic_wire.AnthropicStream``:
+``message_start`` ... ``message_stop``).
 
 A client that hangs up ends the event generator (Starlette cancels it); it cancels the producer,
 which closes the engine streams (the engine drops the request at its next step) and records
@@ -21,21 +23,31 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Protocol
 
-from rlcore.agentic.chat_session import ChatSession, Reply
-from rlcore.agentic.openai_wire import ChatRequest, chunk, delta, error_body, sse, token_logprobs, usage
+from rlcore.agentic.chat_session import ChatSession
+from rlcore.agentic.chat_turn import Choice, Turn, TurnMaker, gather_choices
+from rlcore.agentic.openai_wire import ChatRequest, token_logprobs
 from rlcore.agentic.stream_text import TextStream
 from rlcore.engines.async_base import Completion, TokenChunk
-from rlcore.engines.base import SamplingSettings
+
+
+class StreamFormat(Protocol):
+    """A wire format's streamed events: each method returns the SSE texts to send."""
+
+    def start(self) -> list[str]: ...
+    def text(self, index: int, text: str, logprobs: list[dict]) -> list[str]: ...
+    def finish(self, index: int, rest: str, logprobs: list[dict], choice: Choice) -> list[str]: ...
+    def end(self, prompt_tokens: int, choices: list[Choice]) -> list[str]: ...
+    def error(self, message: str, kind: str, code: str) -> list[str]: ...
 
 
 class StreamedTurn:
-    def __init__(self, proxy: Any, session: ChatSession, req: ChatRequest, context: list[int],
-                 sampling: SamplingSettings, rid: str) -> None:
-        self.proxy, self.session, self.req, self.context, self.sampling, self.rid = \
-            proxy, session, req, context, sampling, rid
-        self.deadline = time.perf_counter() + proxy.config.request_timeout_s
+    def __init__(self, maker: TurnMaker, session: ChatSession, req: ChatRequest, turn: Turn,
+                 timeout_s: float, fmt: StreamFormat) -> None:
+        self.maker, self.session, self.req, self.turn, self.fmt = maker, session, req, turn, fmt
+        self.timeout_s = timeout_s
+        self.deadline = time.perf_counter() + timeout_s
         self.queue: asyncio.Queue = asyncio.Queue()
         self.producer: asyncio.Task | None = None
 
@@ -49,62 +61,64 @@ class StreamedTurn:
     # ------------------------------------------------------------------ producer
     async def _produce(self) -> None:
         try:
-            done = await asyncio.wait_for(asyncio.gather(*[self._choice(i) for i in range(self.req.n)]),
-                                          timeout=max(self.deadline - time.perf_counter(), 0))
-            self.session.record([reply for reply, _ in done])
-            self.queue.put_nowait(("end", [reply for reply, _ in done]))
-        except asyncio.TimeoutError:
-            self.queue.put_nowait(("error", error_body(f"generation did not finish within "
-                                                       f"{self.proxy.config.request_timeout_s:g}s", "server_error",
-                                                       code="timeout")))
+            choices = await gather_choices([self._choice(i) for i in range(self.req.n)],
+                                           max(self.deadline - time.perf_counter(), 0))
+            self.session.record([c.reply for c in choices])
+            self.queue.put_nowait(("end", choices))
+        except TimeoutError:
+            self.queue.put_nowait(("error", f"generation did not finish within {self.timeout_s:g}s", "server_error",
+                                   "timeout"))
         except Exception as exc:  # the client learns why, in the stream (its 200 is already sent)
-            self.queue.put_nowait(("error", error_body(f"{type(exc).__name__}: {exc}", "server_error")))
+            self.queue.put_nowait(("error", f"{type(exc).__name__}: {exc}", "server_error", "server_error"))
 
-    async def _choice(self, index: int) -> tuple[Reply, str]:
-        items = self.proxy.engine_stream(self.context, self.sampling, self.session.session_id)
+    async def _choice(self, index: int) -> Choice:
+        items = self.maker.engine_stream(self.turn, self.session.session_id)
         async with contextlib.aclosing(items):
             async for item in items:
                 if isinstance(item, Completion):
                     if item.finish_reason == "abort":
                         raise RuntimeError("the engine aborted the request")
-                    reply, reason, _ = self.proxy._reply(item, self.sampling.stop, self.req)
-                    self.queue.put_nowait(("done", index, reply, reason))
-                    return reply, reason
+                    choice = self.maker.choice(item, self.turn, self.req)
+                    self.queue.put_nowait(("done", index, choice))
+                    return choice
                 self.queue.put_nowait(("chunk", index, item))
         raise RuntimeError("the engine's stream ended without a completion")
 
     # ------------------------------------------------------------------ events
     async def events(self) -> AsyncIterator[str]:
-        req, model, created = self.req, self.proxy.config.model_name, int(time.time())
-        streams = [TextStream(self.proxy.tokenizer, self.sampling.stop, req.parse_tools) for _ in range(req.n)]
+        req, fmt = self.req, self.fmt
+        streams = [TextStream(self.maker.tokenizer, self.turn.sampling.stop, req.parse_tools) for _ in range(req.n)]
+        for stream in streams:
+            stream.push(self.turn.forced)  # a forced tool call's opening: held, as every call is
         entries: list[list[dict]] = [[] for _ in range(req.n)]  # log-prob entries not sent yet
         try:
-            for i in range(req.n):
-                yield sse(chunk(self.rid, model, created, [delta(i, {"role": "assistant", "content": ""})]))
+            for event in fmt.start():
+                yield event
             while True:
                 remaining = self.deadline - time.perf_counter()
                 try:
                     kind, *item = await asyncio.wait_for(self.queue.get(), timeout=max(remaining, 0) + 1.0)
                 except asyncio.TimeoutError:  # the producer's own timeout comes first; this is a backstop
-                    yield sse({**error_body("the stream stalled", "server_error", code="timeout")})
-                    return
+                    kind, item = "error", ["the stream stalled", "server_error", "timeout"]
                 if kind == "chunk":
                     i, part = item
                     text = self._push(streams[i], entries[i], part)
                     if text:
-                        yield sse(chunk(self.rid, model, created, [delta(i, {"content": text}, logprobs=entries[i])]))
+                        for event in fmt.text(i, text, entries[i]):
+                            yield event
                         entries[i] = []
                 elif kind == "done":
-                    i, reply, reason = item
-                    for event in self._finish_choice(i, streams[i], entries[i], reply, reason, model, created):
-                        yield sse(event)
+                    i, choice = item
+                    for event in fmt.finish(i, streams[i].finish(choice.reply.message.get("content")), entries[i],
+                                            choice):
+                        yield event
                 elif kind == "error":
-                    yield sse(item[0])
+                    for event in fmt.error(*item):
+                        yield event
                     return
                 else:  # "end": every choice done and recorded
-                    if req.stream_options and req.stream_options.include_usage:
-                        yield sse(chunk(self.rid, model, created, [], usage=usage(len(self.context), item[0])))
-                    yield sse("[DONE]")
+                    for event in fmt.end(len(self.turn.prompt), item[0]):
+                        yield event
                     return
         finally:
             if self.producer is not None and not self.producer.done():
@@ -112,17 +126,6 @@ class StreamedTurn:
 
     def _push(self, stream: TextStream, entries: list[dict], part: TokenChunk) -> str:
         if self.req.logprobs:
-            entries += token_logprobs(part.token_ids, part.log_probs, part.top_logprobs, self.proxy._token_text)
+            entries += token_logprobs(part.token_ids, part.log_probs, part.top_logprobs, self.maker.token_text)
         return stream.push(part.token_ids)
 
-    def _finish_choice(self, i: int, stream: TextStream, entries: list[dict], reply: Reply, reason: str,
-                       model: str, created: int) -> list[dict]:
-        """The rest of a choice's content, its tool calls whole, its finish reason."""
-        events = []
-        rest = stream.finish(reply.message.get("content"))
-        if rest or entries:
-            events.append(chunk(self.rid, model, created, [delta(i, {"content": rest}, logprobs=entries)]))
-        for k, call in enumerate(reply.message.get("tool_calls") or []):
-            events.append(chunk(self.rid, model, created, [delta(i, {"tool_calls": [{"index": k, **call}]})]))
-        events.append(chunk(self.rid, model, created, [delta(i, {}, finish_reason=reason)]))
-        return events

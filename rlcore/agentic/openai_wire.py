@@ -5,9 +5,14 @@ safety; what a stock ``openai`` client sends and expects back is a separate cont
 in one place. Requests are validated with pydantic, so a malformed one is a 400 with OpenAI's
 error body naming the field, never an exception inside the server.
 
-Sampling knobs the engines cannot honour (penalties, ``logit_bias``, a forced ``tool_choice``)
-are refused with a 400 rather than silently ignored; unknown extra fields (``user``,
-``metadata``, ...) are accepted and ignored, as OpenAI-compatible servers do.
+``null`` for an optional field means "not given", as OpenAI's API takes it. ``tool_choice``:
+``"auto"`` (the default with tools), ``"none"`` (the tools are not rendered into the prompt at
+all), ``"required"`` and ``{"type": "function", "function": {"name": ...}}`` (the assistant turn is
+started with the template's tool-call opening, and for a named function with that function's
+name, so the model writes the rest; ``rlcore.agentic.chat_turn``). Knobs the engines cannot
+honour (penalties, ``logit_bias``, ``parallel_tool_calls: false``) are refused with a 400 naming
+the field rather than silently ignored; unknown extra fields (``user``, ``metadata``, ``seed``,
+...) are accepted and ignored, as OpenAI-compatible servers do.
 """
 
 from __future__ import annotations
@@ -15,9 +20,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlcore.agentic.chat_session import RequestError, Reply
 from rlcore.engines.base import SamplingSettings
@@ -33,7 +38,7 @@ class ChatRequest(BaseModel):
     model: str | None = None
     messages: list[Any] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | dict[str, Any] | None = None
+    tool_choice: Any = None  # checked by tool_mode(), for an error that names what is supported
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -47,8 +52,44 @@ class ChatRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    parallel_tool_calls: bool = True
 
-    def check_supported(self, max_n: int) -> None:
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """OpenAI's API reads ``"logprobs": null`` (and every optional field so) as the field left out."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None or k == "messages"}
+        return data
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """``(mode, name)``: mode ``"none"``, ``"auto"``, ``"required"`` or ``"function"`` (name: which)."""
+        choice, names = self.tool_choice, [_tool_name(t) for t in self.tools or []]
+        if choice is None:
+            return ("auto" if names else "none"), None
+        if choice in ("auto", "none", "required"):
+            mode, name = choice, None
+        elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+              and isinstance(choice["function"].get("name"), str)):
+            mode, name = "function", choice["function"]["name"]
+        else:
+            raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or "
+                               f'{{"type": "function", "function": {{"name": ...}}}}, got {json.dumps(choice)}',
+                               param="tool_choice")
+        if mode in ("required", "function") and not names:
+            raise RequestError(f"tool_choice {json.dumps(choice)} needs tools: this request offers none",
+                               param="tool_choice")
+        if mode == "function" and name not in names:
+            raise RequestError(f"tool_choice names the function {name!r}, which is not among the tools offered "
+                               f"({', '.join(map(repr, names))})", param="tool_choice")
+        return mode, name
+
+    @property
+    def rendered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows the model: none with ``tool_choice="none"``."""
+        return self.tools if self.tools and self.tool_mode()[0] != "none" else None
+
+    def check_supported(self, max_n: int, max_stops: int = 4) -> None:
         if self.n > max_n:
             raise RequestError(f"n={self.n} is more than this endpoint allows ({max_n})", param="n")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -57,15 +98,19 @@ class ChatRequest(BaseModel):
                                    param=name)
         if self.logit_bias:
             raise RequestError("logit_bias is not supported", param="logit_bias")
-        if isinstance(self.tool_choice, dict):
-            raise RequestError("tool_choice naming a function is not supported: the model chooses ('auto') "
-                               "or is not offered tools ('none')", param="tool_choice")
+        for i, tool in enumerate(self.tools or []):
+            if not _tool_name(tool):
+                raise RequestError(f"tools[{i}] needs function.name", param=f"tools[{i}]")
+        self.tool_mode()
+        if not self.parallel_tool_calls:
+            raise RequestError("parallel_tool_calls=false is not supported: the model may write several calls in "
+                               "one reply, and every one is returned", param="parallel_tool_calls")
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
         if self.stop is not None:
             stops = [self.stop] if isinstance(self.stop, str) else self.stop
-            if len(stops) > 4 or not all(stops):
-                raise RequestError("stop must be up to 4 non-empty strings", param="stop")
+            if len(stops) > max_stops or not all(isinstance(s, str) and s for s in stops):
+                raise RequestError(f"stop must be up to {max_stops} non-empty strings", param="stop")
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -73,7 +118,13 @@ class ChatRequest(BaseModel):
 
     @property
     def parse_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
+        return self.rendered_tools is not None
+
+
+def _tool_name(tool: Any) -> str | None:
+    fn = tool.get("function", tool) if isinstance(tool, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    return name if isinstance(name, str) and name else None
 
 
 def parse_request(body: Any) -> ChatRequest:
@@ -118,13 +169,13 @@ def token_logprobs(token_ids: list[int], log_probs: list[float], top: list | Non
             for t, lp, alts in zip(token_ids, log_probs, top or [[] for _ in token_ids])]
 
 
-def completion_response(rid: str, model: str, prompt_tokens: int, replies: list[Reply], finish: list[str],
-                        logprobs: list | None) -> dict[str, Any]:
-    choices = [{"index": i, "message": r.message, "finish_reason": finish[i],
-                "logprobs": None if logprobs is None else {"content": logprobs[i]}}
-               for i, r in enumerate(replies)]
+def completion_response(rid: str, model: str, prompt_tokens: int, choices: list[Any], logprobs: bool) -> dict[str, Any]:
+    """The ``chat.completion`` body of ``chat_turn.Choice`` s."""
+    body = [{"index": i, "message": c.reply.message, "finish_reason": c.finish,
+             "logprobs": {"content": [e for _, e in c.pieces if e is not None]} if logprobs else None}
+            for i, c in enumerate(choices)]
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": choices, "usage": usage(prompt_tokens, replies)}
+            "choices": body, "usage": usage(prompt_tokens, [c.reply for c in choices])}
 
 
 def chunk(rid: str, model: str, created: int, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
@@ -145,3 +196,39 @@ def delta(index: int, fields: dict[str, Any], finish_reason: str | None = None,
 def sse(data: dict[str, Any] | str) -> str:
     """A server-sent event line pair, as OpenAI streams them."""
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIStream:
+    """A streamed reply as OpenAI sends it: a role chunk per choice, content deltas, each choice's tool
+    calls whole and its finish reason, the usage chunk when asked (``stream_options.include_usage``),
+    ``[DONE]``. Choices are ``chat_turn.Choice``."""
+
+    def __init__(self, rid: str, model: str, req: ChatRequest) -> None:
+        self.rid, self.model, self.req, self.created = rid, model, req, int(time.time())
+
+    def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> str:
+        return sse(chunk(self.rid, self.model, self.created, choices, **extra))
+
+    def start(self) -> list[str]:
+        return [self._chunk([delta(i, {"role": "assistant", "content": ""})]) for i in range(self.req.n)]
+
+    def text(self, index: int, text: str, logprobs: list[dict]) -> list[str]:
+        return [self._chunk([delta(index, {"content": text}, logprobs=logprobs)])]
+
+    def finish(self, index: int, rest: str, logprobs: list[dict], choice: Any) -> list[str]:
+        events = []
+        if rest or logprobs:
+            events.append(self._chunk([delta(index, {"content": rest}, logprobs=logprobs)]))
+        for k, call in enumerate(choice.reply.message.get("tool_calls") or []):
+            events.append(self._chunk([delta(index, {"tool_calls": [{"index": k, **call}]})]))
+        events.append(self._chunk([delta(index, {}, finish_reason=choice.finish)]))
+        return events
+
+    def end(self, prompt_tokens: int, choices: list[Any]) -> list[str]:
+        events = []
+        if self.req.stream_options and self.req.stream_options.include_usage:
+            events.append(self._chunk([], usage=usage(prompt_tokens, [c.reply for c in choices])))
+        return events + [sse("[DONE]")]
+
+    def error(self, message: str, kind: str, code: str) -> list[str]:
+        return [sse(error_body(message, kind, code=code))]

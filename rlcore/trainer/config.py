@@ -269,8 +269,13 @@ class AgentConfig:
     request_timeout_s: float = 120.0  # one request's generation
     max_n: int = 8  # choices per request
     max_request_bytes: int = 1 << 20
+    # threads for synchronous agents (def run) per runner; null: the episodes a runner may play at once
+    # (agentic.groups_in_flight x rollout.n), so none waits for a thread
+    sync_threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.sync_threads is not None and self.sync_threads < 1:
+            raise ValueError(f"agent.sync_threads must be >= 1 or null, got {self.sync_threads}")
         if ":" not in self.path:
             raise ValueError(f"agent.path must be 'file.py:Class' or 'package.module:Class', got {self.path!r}")
         if self.max_total_tokens < 2 or self.episode_timeout_s <= 0 or self.request_timeout_s <= 0:

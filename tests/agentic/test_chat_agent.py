@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from recipes.chat_agent_grpo import chat_metrics
 from rlcore.agentic.chat_agent import AgentError, ChatAgentRunner, ChatAgentSpec, load_agent
 from rlcore.agentic.episode import to_dataproto
 from rlcore.algos.advantages import compute_grpo_outcome_advantage
@@ -21,8 +22,29 @@ SAMPLED = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6
 TASK = {"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}
 
 AGENTS = '''
+import threading
 import time
 import openai
+
+
+class Together:
+    """A synchronous agent that waits until ten of its kind run at once (a barrier), then asks."""
+    barrier = threading.Barrier(10, timeout=30)
+
+    def run(self, ctx):
+        self.barrier.wait()
+        client = openai.OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=30)
+        client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        return 1.0
+
+
+class SlowSync:
+    """A synchronous agent that works 1.5 s before asking."""
+    def run(self, ctx):
+        time.sleep(1.5)
+        client = openai.OpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=30)
+        client.chat.completions.create(model=ctx.model_name, messages=ctx.messages)
+        return 1.0
 
 
 class SyncAgent:
@@ -66,8 +88,9 @@ def agents_file(tmp_path_factory):
     return path
 
 
-def play(model_dir, agent: str, tasks, size: int = 1, timeout_s: float = 60.0, **kwargs):
-    spec = ChatAgentSpec(agent, model_dir, SAMPLED, kwargs, max_total_tokens=128, episode_timeout_s=timeout_s)
+def play(model_dir, agent: str, tasks, size: int = 1, timeout_s: float = 60.0, sync_threads: int = 64, **kwargs):
+    spec = ChatAgentSpec(agent, model_dir, SAMPLED, kwargs, max_total_tokens=128, episode_timeout_s=timeout_s,
+                         sync_threads=sync_threads)
 
     async def scenario():
         runner = ChatAgentRunner(spec, [AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())])
@@ -82,6 +105,10 @@ def play(model_dir, agent: str, tasks, size: int = 1, timeout_s: float = 60.0, *
 def test_the_retry_agent_plays_groups_and_its_rewards_follow_its_rule(model_dir, tok):
     groups, runner = play(model_dir, f"{EXAMPLES}/arithmetic_chat.py:RetryAgent", [TASK, TASK], size=3)
     segments = [t for g in groups for t in g]
+    # each retry is a new user message: a try; right at the first try = rewarded after one
+    assert [t.metrics["chat/tries"] for t in segments] == [float(t.turns) for t in segments]
+    assert chat_metrics(segments)["episode/first_try_right"] == pytest.approx(
+        np.mean([t.reward == 1.0 for t in segments]))
     assert len(segments) == 6 and runner.episodes_done == 6 and not runner.proxy.sessions
     for t in segments:
         replies = [tok.decode(ids, skip_special_tokens=True) for ids in _model_turns(t)]
@@ -107,6 +134,21 @@ def _model_turns(traj):
 def test_a_synchronous_agent_runs_in_a_thread(model_dir, agents_file):
     groups, _ = play(model_dir, f"{agents_file}:SyncAgent", [TASK])
     assert len(groups[0]) == 1 and groups[0][0].turns == 1
+
+
+def test_ten_synchronous_agents_run_at_once(model_dir, agents_file):
+    """Each waits at a barrier for all ten: asyncio's default pool (cpu_count + 4 threads: 6 here) held
+    four of them back, the barrier timed out and every episode failed."""
+    groups, runner = play(model_dir, f"{agents_file}:Together", [TASK], size=10, timeout_s=60)
+    assert len(groups[0]) == 10 and all(t.reward == 1.0 for t in groups[0])
+
+
+def test_the_episode_timeout_of_a_synchronous_agent_starts_when_it_starts(model_dir, agents_file):
+    """Two threads, four agents of 1.5 s, 2.5 s each: the last two wait 1.5 s for a thread and still have
+    their whole 2.5 s (counted from the queue they would have had 1 s, and failed)."""
+    groups, _ = play(model_dir, f"{agents_file}:SlowSync", [TASK], size=4, timeout_s=2.5, sync_threads=2)
+    waited = sorted(t.metrics["episode/agent_s"] for t in groups[0])[2:]
+    assert len(groups[0]) == 4 and all(s > 2.5 for s in waited)  # longer than the timeout, from the queue
 
 
 @pytest.mark.parametrize("name, message", [
@@ -225,3 +267,12 @@ def test_agent_kwargs_the_class_does_not_take_fail_before_any_engine(tmp_path, m
     with pytest.raises(TypeError, match=r"\['turn'\] that it does not take.*NeedsTurns\(turns\)"):
         ChatAgentSpec(f"{path}:NeedsTurns", "unused", SAMPLED, {"turn": 2})
     assert ChatAgentSpec(f"{path}:NeedsTurns", "unused", SAMPLED, {"turns": 2}).agent_kwargs == {"turns": 2}
+
+
+def test_synchronous_agents_get_a_thread_per_episode_in_flight_unless_set(monkeypatch):
+    spec = run_recipe_until_engines(["agentic.groups_in_flight=5", "rollout.n=3"], monkeypatch)
+    assert spec.sync_threads == 15  # every episode a runner may play at once
+    spec = run_recipe_until_engines(["agentic.groups_in_flight=5", "rollout.n=3", "agent.sync_threads=4"], monkeypatch)
+    assert spec.sync_threads == 4
+    with pytest.raises(ValueError, match="agent.sync_threads must be >= 1"):
+        run_recipe_until_engines(["agent.sync_threads=0"], monkeypatch)

@@ -7,7 +7,6 @@ opens a new segment, and bad requests (wrong key, malformed body, too big, disco
 mid-stream, which cancels the request in the engine) never hurt the server."""
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import socket
@@ -19,87 +18,17 @@ import numpy as np
 import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from rlcore.agentic.async_router import AsyncSessionRouter
+from recipes.chat_agent_grpo import chat_metrics
+from chat_helpers import CALC, CALL_TEXT, GREEDY, SAMPLED, SlowSteps, client, hand_greedy, render, serving
 from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
-from rlcore.agentic.chat_proxy import ChatProxy, ChatProxyConfig, session_trajectories
+from rlcore.agentic.chat_proxy import session_trajectories
 from rlcore.agentic.episode import to_dataproto
 from rlcore.agentic.tool_calls import parse_tool_calls
-from rlcore.engines.async_base import Completion
 from rlcore.engines.async_hf import AsyncHFEngine
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.models.config import ModelConfig
-from rlcore.models.tiny import build_tiny_model
-
-SAMPLED = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, n=1, do_sample=True)
-GREEDY = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=12, n=1, do_sample=False)
-CALC = {"type": "function", "function": {"name": "calc", "description": "a+b",
-                                         "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}}}
-CALL_TEXT = '<tool_call>{"name": "calc", "arguments": {"expression": "2+3"}}</tool_call>'
-
-
-class Recording:
-    """The router, with every completion it returned written down (what the engine sampled), in
-    the order the requests were made (the engine batches them and may finish them in any order)."""
-
-    def __init__(self, router: AsyncSessionRouter) -> None:
-        self.router, self.calls, self.streamed = router, [], []  # streamed: per stream, the chunks' token ids
-
-    async def generate(self, prompt_ids, sampling, session_id=None):
-        call = [session_id, list(prompt_ids), None]
-        self.calls.append(call)
-        call[2] = await self.router.generate(prompt_ids, sampling, session_id)
-        return call[2]
-
-    async def generate_stream(self, prompt_ids, sampling, session_id=None):
-        call, streamed = [session_id, list(prompt_ids), None], []
-        self.calls.append(call)
-        self.streamed.append(streamed)
-        async for item in self.router.generate_stream(prompt_ids, sampling, session_id):
-            if isinstance(item, Completion):
-                call[2] = item
-            else:
-                streamed += item.token_ids
-            yield item
-
-    def release(self, session_id) -> None:
-        self.router.release(session_id)
-
-
-@contextlib.asynccontextmanager
-async def serving(model_dir, sampling=SAMPLED, **config):
-    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig())
-    recording = Recording(AsyncSessionRouter([engine]))
-    proxy = ChatProxy(recording, AutoTokenizer.from_pretrained(model_dir), sampling, ChatProxyConfig(**config))
-    await proxy.start()
-    try:
-        yield proxy, recording, engine
-    finally:
-        await proxy.stop()
-        await engine.close()
-
-
-def client(access, **kw) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=access.base_url, api_key=access.api_key, max_retries=0, timeout=30, **kw)
-
-
-@torch.no_grad()
-def hand_greedy(model, prompt_ids, max_new_tokens, stop_ids):
-    """Greedy decoding as a plain loop over full forwards (the engines' own tests use the same)."""
-    seq, out = list(prompt_ids), []
-    for _ in range(max_new_tokens):
-        out.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-        seq.append(out[-1])
-        if out[-1] in stop_ids:
-            break
-    return out
-
-
-def render(tok, messages, **kw) -> list[int]:
-    return tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kw),
-                      add_special_tokens=False)
-
 
 # ---------------------------------------------------------------------------------------------- wire format
 def test_greedy_reply_is_hf_greedy_with_real_usage_and_the_same_text_streamed(model_dir, tok, ref_model):
@@ -128,23 +57,6 @@ def test_greedy_reply_is_hf_greedy_with_real_usage_and_the_same_text_streamed(mo
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == reply.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected)
     assert [m.id for m in models.data] == ["policy"]
-
-
-class SlowSteps:
-    """Each decode step of the engine takes ``delay_s`` longer (a turn that visibly takes time)."""
-
-    def __init__(self, engine, delay_s):
-        self.batch, self.delay_s = engine.batch, delay_s
-
-    def __call__(self, tokens):
-        time.sleep(self.delay_s)
-        return type(self.batch).step(self.batch, tokens)
-
-    def __enter__(self):
-        self.batch.step = self
-
-    def __exit__(self, *exc):
-        del self.batch.step
 
 
 def test_a_streamed_reply_arrives_while_the_engine_samples_it(model_dir, tok):
@@ -328,28 +240,6 @@ def test_parse_tool_calls_keeps_malformed_blocks_as_content():
     assert parse_tool_calls('<tool_call>{"arguments": {}}</tool_call>')[1] == []  # no name: not a call
 
 
-@pytest.fixture(scope="module")
-def tool_model_dir(tmp_path_factory):
-    """The tiny model taught (by overfitting one conversation) to call ``calc`` on "2+3=", then,
-    given the tool's result, to answer it."""
-    out = build_tiny_model(tmp_path_factory.mktemp("tool"), seed=0)
-    tok = AutoTokenizer.from_pretrained(out)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
-    prompt = render(tok, [{"role": "user", "content": "2+3="}], tools=[CALC])
-    ids = prompt + enc(CALL_TEXT) + [tok.eos_token_id] + enc("\ntool: 5\nassistant: 5") + [tok.eos_token_id]
-    model = AutoModelForCausalLM.from_pretrained(out)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    x = torch.tensor([ids])
-    torch.manual_seed(0)
-    for _ in range(150):
-        loss = model(x, labels=x).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    model.save_pretrained(out)
-    return out
-
-
 def test_tool_calls_come_back_structured_and_tool_results_render_through_the_template(tool_model_dir):
     tok = AutoTokenizer.from_pretrained(tool_model_dir)
     long = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=80, n=1, do_sample=False)
@@ -500,5 +390,9 @@ def test_the_calculator_example_agent_runs_the_tool_the_model_calls(tool_model_d
 
     [segment] = asyncio.run(scenario())
     assert segment.reward == 1.0 and segment.turns == 2  # the call, then the answer
+    # one try of two requests (the tool result is no new try): right at the first try, which the
+    # metric missed when it counted requests
+    assert (segment.metrics["chat/requests"], segment.metrics["chat/tries"]) == (2.0, 1.0)
+    assert chat_metrics([segment])["episode/first_try_right"] == 1.0
     tok = AutoTokenizer.from_pretrained(tool_model_dir)
     assert tok.decode([t for t, m in zip(segment.token_ids, segment.policy_mask) if not m]) == "\ntool: 5\nassistant: "

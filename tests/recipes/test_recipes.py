@@ -283,3 +283,16 @@ def test_chat_agent_grpo_trains_a_black_box_openai_agent(tmp_path, tiny_model, r
     for r in rows[1:]:
         assert 1 <= r["episode/requests_mean"] <= 3 and r["episode/segments_mean"] == 1.0
         assert r["critic/score/max"] in (0.0, 0.25, 0.5, 1.0)  # the agent's rewards: 0.5 ** (try - 1), or 0
+
+
+def test_chat_agent_grpo_trains_an_agent_written_with_the_anthropic_client(tmp_path, tiny_model, ray_cluster):
+    """The same agent on the stock anthropic client (the proxy's /v1/messages route), one step: its episodes
+    are trained on, with its rule's rewards, and a try is each question asked."""
+    cfg = config("chat_agent_grpo", tmp_path, f"model.path={tiny_model}", "trainer.backend=local", *COMMON_RL,
+                 "trainer.total_steps=1", "agentic.cpus_per_engine=1", "agentic.bucket_mb=0.1",
+                 "agent.path=examples/agents/arithmetic_anthropic.py:RetryAgent")
+    run = recipes.chat_agent_grpo.train(cfg)
+    [row] = check_metrics(run, 1, {"actor/pg_loss", "episode/reward_mean", "episode/requests_mean",
+                                   "episode/tries_mean", "episode/first_try_right"})[1:]
+    assert 1 <= row["episode/requests_mean"] <= 3 and row["episode/tries_mean"] == row["episode/requests_mean"]
+    assert row["critic/score/max"] in (0.0, 0.25, 0.5, 1.0)
