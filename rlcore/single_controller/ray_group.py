@@ -84,10 +84,10 @@ class RayWorkerGroup(WorkerGroup):
         self._finalizer.atexit = False  # at interpreter exit the driver's job ends, and Ray frees everything
         try:
             self._start(resource_pool, resources, extra_options, env_vars, init_timeout)
+            self._bind_methods()
         except BaseException:
             self._finalizer()  # a group that failed to build releases what it took
             raise
-        self._bind_methods()
 
     def _start(self, resource_pool: RayResourcePool, resources: dict, extra_options: dict,
                env_vars: dict[str, str] | None, init_timeout: float) -> None:
