@@ -1,6 +1,7 @@
 """The layers of the package (pyproject.toml [tool.importlinter]): each folder imports only the layers
 below it, no recipe imports another, and no import of the project hides inside a function, where
-import-linter would still see it but a reader of the module's header would not."""
+import-linter would still see it but a reader of the module's header would not; and no module of rlcore
+reaches 500 lines."""
 
 import ast
 import os
@@ -66,3 +67,13 @@ def test_no_function_level_imports_of_the_project():
     found = [hit for path in files for hit in function_level_project_imports(path)]
     assert found == [], "import these at the top of the module (a layer may import only the ones below it):\n" + \
         "\n".join(found)
+
+
+MAX_MODULE_LINES = 500  # the house rule: a module longer than this is doing more than one job
+
+
+def test_every_module_of_the_package_stays_under_500_lines():
+    files = sorted((REPO / "rlcore").rglob("*.py"))
+    assert len(files) > 20  # the package was found
+    long = {str(p.relative_to(REPO)): n for p in files if (n := len(p.read_text().splitlines())) >= MAX_MODULE_LINES}
+    assert long == {}, f"split these modules (one job each, under {MAX_MODULE_LINES} lines): {long}"

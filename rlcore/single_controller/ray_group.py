@@ -1,9 +1,18 @@
-"""RayWorkerGroup: one Ray actor per bundle of a resource pool, each hosting the worker(s) of one rank."""
+"""RayWorkerGroup: one Ray actor per bundle of a resource pool, each hosting the worker(s) of one rank.
+
+A group holds its processes for as long as it lives, and no longer: ``wg.shutdown()``, the end of a
+``with RayWorkerGroup(...) as wg:`` block, or the group being garbage-collected (a function returns,
+``del wg``, a notebook cell re-run) kills its actors and leaves the pool, and the last group to
+leave a pool removes the pool's placement groups. Nothing in the group refers back to it (group
+methods are made on attribute access), so dropping the last reference releases it at once.
+"""
 
 from __future__ import annotations
 
 import re
 import time
+import uuid
+import weakref
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -38,6 +47,10 @@ class RayWorkerGroup(WorkerGroup):
     names are the group's own, so any other option is an error naming it. ``device_name`` ("cpu" or
     "cuda", verl's keyword) must agree with the pool's ``use_gpu``. ``workers`` (verl's ``_workers``)
     are the ranks as handles for raw calls: ``ray.get(wg.workers[0].method.remote(x))``.
+
+    Lifetime (module docstring): the group's processes live while the group (or a view of it from
+    ``spawn``, or a pending ``GroupFuture``) is referenced; verl's ``detached=True`` (processes that
+    outlive the driver) is refused.
     """
 
     passes_object_refs = True
@@ -51,20 +64,40 @@ class RayWorkerGroup(WorkerGroup):
         init_timeout: float = 600.0,
         env_vars: dict[str, str] | None = None,
         device_name: str | None = None,
+        detached: bool = False,
     ) -> None:
+        if detached:
+            raise ValueError("detached worker groups are not supported: a group's processes live as long as the group "
+                             "(wg.shutdown(), `with RayWorkerGroup(...) as wg:`, or the group going out of scope); "
+                             "build it with detached=False (the default)")
         self.device_name = _check_device(device_name, resource_pool)
         super().__init__(ray_cls_with_init, resource_pool.world_size, default_timeout)
         self.resource_pool = resource_pool
         resources, extra_options = _actor_options(self._roles, resource_pool)
-        resource_pool.claim(id(self), resources)
+        # The name every rank's actor starts with: unique in the cluster, and carrying the pool's tag so that
+        # a pool that cannot be placed names the groups holding the cluster (resource_pool.describe_holders).
+        self.group_name = f"{name_prefix}_{'+'.join(self._roles)}_{resource_pool.tag}_{uuid.uuid4().hex[:8]}"
+        resource_pool.claim(self.group_name, resources)
         self.hosts = []
+        # Runs once: at shutdown(), or when the group is garbage-collected. It holds what it releases, not the group.
+        self._finalizer = weakref.finalize(self, _release, self.hosts, resource_pool, self.group_name)
+        self._finalizer.atexit = False  # at interpreter exit the driver's job ends, and Ray frees everything
+        try:
+            self._start(resource_pool, resources, extra_options, env_vars, init_timeout)
+            self._bind_methods()
+        except BaseException:
+            self._finalizer()  # a group that failed to build releases what it took
+            raise
+
+    def _start(self, resource_pool: RayResourcePool, resources: dict, extra_options: dict,
+               env_vars: dict[str, str] | None, init_timeout: float) -> None:
         for rank, (pg, bundle_index, _) in enumerate(resource_pool.slots()):
             options = {
                 **extra_options,
                 "num_cpus": resources.get("CPU", 0),
                 "num_gpus": resources.get("GPU", 0),
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle_index),
-                "name": f"{name_prefix}_{'+'.join(self._roles)}_rank{rank}_{id(self):x}",
+                "name": f"{self.group_name}_rank{rank}",
             }
             self.hosts.append(_RemoteHost.options(**options).remote())
 
@@ -85,7 +118,6 @@ class RayWorkerGroup(WorkerGroup):
             }
             build_refs.append(self.hosts[rank].build.remote(env, roles))
         self.worker_info = self._get(build_refs, "__init__", init_timeout)
-        self._bind_methods()
 
     @property
     def workers(self) -> list["RankHandle"]:
@@ -129,11 +161,27 @@ class RayWorkerGroup(WorkerGroup):
         return self._get([h.busy_seconds.remote() for h in self.hosts], "busy_seconds", 60)
 
     def shutdown(self) -> None:
-        """Kill this group's actors (the resource pool stays, so another group can use it)."""
-        for host in self.hosts:
-            ray.kill(host, no_restart=True)
-        self.hosts = []
-        self.resource_pool.release(id(self))
+        """Kill this group's actors and leave the pool (the last group to leave removes its placement
+        groups; the pool places them again for the next group). Idempotent; views from ``spawn`` share
+        the processes, so shutting one down shuts down all."""
+        self._finalizer()
+
+    @property
+    def alive(self) -> bool:
+        """Whether the group still holds its processes (not shut down)."""
+        return self._finalizer.alive
+
+
+def _release(hosts: list, pool: RayResourcePool, name: str) -> None:
+    """Kill a group's actors and take it off its pool. The group's finalizer: it must not refer to the group."""
+    if ray.is_initialized():
+        for host in hosts:
+            try:
+                ray.kill(host, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead, or Ray restarted since
+                pass
+    hosts.clear()
+    pool.release(name)
 
 
 class RankHandle:

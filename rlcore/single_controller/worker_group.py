@@ -188,6 +188,7 @@ class WorkerGroup:
         self._world_size = world_size
         self.default_timeout = default_timeout
         self._mesh_cache: dict[tuple[str, str], dict] = {}
+        self._methods: dict[str, MethodSpec] = {}
         self.method_names: list[str] = []
 
     @property
@@ -195,18 +196,32 @@ class WorkerGroup:
         return self._world_size
 
     def _bind_methods(self) -> None:
+        """Resolve every registered method of the roles' classes once. The group keeps the specs, not
+        bound ``GroupMethod`` objects (``__getattr__`` makes one per access): a method object stored on
+        the group would point back at it, a cycle that keeps a dropped group (and its processes) alive
+        until the cyclic garbage collector happens to run."""
         for role, cwa in self._roles.items():
             for name, member in inspect.getmembers(cwa.cls, predicate=callable):
                 reg = getattr(member, REGISTER_ATTR, None)
                 if reg is None:
                     continue
                 public = f"{role}_{name}" if self._prefixed else name
-                if hasattr(type(self), public):
+                if hasattr(type(self), public) or public in self.__dict__:
                     raise ValueError(f"worker method {cwa.cls.__name__}.{name} would shadow WorkerGroup.{public}; rename it")
-                spec = MethodSpec(role, name, public, reg["mode"], reg["execute"], reg["blocking"], reg["pad"],
-                                  reg["balance"])
-                setattr(self, public, GroupMethod(self, spec))
+                self._methods[public] = MethodSpec(role, name, public, reg["mode"], reg["execute"], reg["blocking"],
+                                                   reg["pad"], reg["balance"])
                 self.method_names.append(public)
+
+    def __getattr__(self, name: str) -> GroupMethod:
+        methods = self.__dict__.get("_methods")  # absent before __init__ ran (copy, unpickling)
+        if methods is None or name not in methods:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r}"
+                                 + (f"; its worker methods: {sorted(methods)}" if methods and not name.startswith("_")
+                                    else ""))
+        return GroupMethod(self, methods[name])
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *self.__dict__.get("_methods", {})})
 
     def spawn(self, prefix_set: set[str] | list[str]) -> dict[str, "WorkerGroup"]:
         """Per-role views of a colocated group: same processes, methods without the role prefix."""
@@ -215,9 +230,10 @@ class WorkerGroup:
             if role not in self._roles:
                 raise KeyError(f"no role {role!r} in this group; roles: {sorted(self._roles)}")
             view = object.__new__(type(self))
-            view.__dict__.update({k: v for k, v in self.__dict__.items() if not isinstance(v, GroupMethod)})
-            view._roles, view._prefixed, view.method_names = {role: self._roles[role]}, False, []
+            view.__dict__.update(self.__dict__)
+            view._roles, view._prefixed, view.method_names, view._methods = {role: self._roles[role]}, False, [], {}
             view._mesh_cache, view.last_balance = {}, None
+            view._owner = self  # the processes are the group's: it lives (and holds them) while a view does
             view._bind_methods()
             views[role] = view
         return views
@@ -245,6 +261,16 @@ class WorkerGroup:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(world_size={self.world_size}, roles={sorted(self._roles)}, methods={self.method_names})"
+
+    def __enter__(self) -> "WorkerGroup":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Release the group's processes (Ray) or workers (in-process); the group is unusable after."""
+        raise NotImplementedError
 
     # subclass hooks
     def _submit(self, role: str, method: str, calls: list[tuple[tuple, dict]]) -> list:

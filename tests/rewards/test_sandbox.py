@@ -6,12 +6,12 @@ shipped code task's reference solutions score 1.0, also through the reward manag
 import ast
 import json
 import os
+import re
 import select
 import socket
 import string
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -108,10 +108,12 @@ def test_faking_equality_or_exiting_early_does_not_pass_call_tests():
     assert reward("def add(a, b):\n    return True", json.dumps([{"call": "add(0, 1)", "expected": 1}])) == 0.0
 
 
+@pytest.mark.timeout(900)  # the wall limit below is 300 s per run
 @pytest.mark.parametrize("mode", MODES)
 def test_an_infinite_loop_is_stopped_by_cpu_time_and_a_sleep_by_wall_time(mode):
-    cpu_bound = SandboxLimits(cpu_s=1, wall_s=20)  # a wall clock far enough that busy cores still hit the CPU limit
-    start = time.monotonic()
+    # a wall clock far enough that even a crowded machine gives the loop its CPU second first: the reasons
+    # below say which limit ended each run, so no wall-clock bound of the test's own is needed
+    cpu_bound = SandboxLimits(cpu_s=1, wall_s=300)
     busy = run_sandboxed("while True:\n    pass", limits=cpu_bound, mode=mode)
     assert busy.violation == "cpu_time" and busy.reason == "cpu time 1s exceeded", busy
     asleep = run_sandboxed("import time\ntime.sleep(60)", limits=SandboxLimits(wall_s=1), mode=mode)
@@ -119,7 +121,6 @@ def test_an_infinite_loop_is_stopped_by_cpu_time_and_a_sleep_by_wall_time(mode):
     score = check_program("def add(a, b):\n    while True:\n        pass", parse_tests(ADD_TESTS), cpu_bound,
                           mode=mode)
     assert score == 0.0 and score.reason == "cpu time 1s exceeded"
-    assert time.monotonic() - start < 45
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -128,10 +129,8 @@ def test_an_infinite_loop_is_stopped_by_cpu_time_and_a_sleep_by_wall_time(mode):
     "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
     "import subprocess, sys\nwhile True:\n    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"])
 def test_a_fork_bomb_scores_zero_and_leaves_the_machine_usable(mode, bomb):
-    start = time.monotonic()
     result = run_sandboxed(bomb, limits=FAST, mode=mode)
-    assert result.violation in ("processes", "cpu_time", "wall_time"), result
-    assert time.monotonic() - start < 10
+    assert result.violation in ("processes", "cpu_time", "wall_time"), result  # a limit ended it
     assert check_program("import os\nwhile True:\n    os.fork()\ndef add(a, b): return a + b",
                          parse_tests(ADD_TESTS), FAST, mode=mode) == 0.0
     assert subprocess.run(["true"], timeout=10).returncode == 0  # the trainer can still start processes
@@ -178,11 +177,10 @@ def test_network_access_is_refused_and_the_listener_sees_no_connection(mode):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_an_output_flood_is_cut_at_the_cap_in_bounded_time(mode):
-    start = time.monotonic()
     result = run_sandboxed("import sys\nwhile True:\n    sys.stdout.write('x' * 4096)", mode=mode,
                            limits=SandboxLimits(output_bytes=10_000))
     assert result.violation == "output" and result.reason == "output limit 10000 bytes exceeded", result
-    assert len(result.stdout) == 10_000 and time.monotonic() - start < 10
+    assert len(result.stdout) == 10_000  # cut at the cap (the output limit ended it, not the wall clock)
     assert reward("print('y' * 10**6)\ndef add(a, b):\n    return a + b").reason == "output limit 65536 bytes exceeded"
 
 
@@ -201,11 +199,13 @@ def test_the_namespace_mode_hides_processes_and_keeps_no_capability():
     assert result.stdout.split("\n")[:2] == ["[1, 2]", "['0000000000000000']"], result
 
 
+@pytest.mark.timeout(200)  # without the budget: five runs of 60 s each
 def test_a_time_budget_bounds_all_runs_of_a_row():
     tests = json.dumps([{"stdin": "", "stdout": "never"}] * 5)
-    start = time.monotonic()
-    score = reward("import time\ntime.sleep(1.5)\nprint('late')", tests, budget_s=2.5)
-    assert score == 0.0 and time.monotonic() - start < 5
+    score = reward("import time\ntime.sleep(60)\nprint('late')", tests, budget_s=2.5, sandbox_limits={"wall_s": 120})
+    # the first run got what was left of the budget as its wall clock (not the 120 s limit) and hit it
+    limit = re.fullmatch(r"wall time ([0-9.]+)s exceeded", score.reason)
+    assert score == 0.0 and limit is not None and float(limit.group(1)) <= 2.5, score.reason
 
 
 def test_stdin_stdout_tests():

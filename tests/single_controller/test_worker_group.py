@@ -318,19 +318,18 @@ class Fragile(Worker):
     def crash_on_rank1(self):
         if self.rank == 1:
             os._exit(3)
-        time.sleep(30)
+        time.sleep(3600)  # longer than any timeout here: only a prompt failure ends the call
         return "survived"
 
 
 def test_dead_worker_fails_promptly(ray_cluster):
     pool = RayResourcePool([2], num_cpus_per_process=0.25, name_prefix="fragile")
     wg = RayWorkerGroup(pool, ClassWithInitArgs(Fragile))
-    start = time.monotonic()
+    # waiting for rank 0 (an hour) would end in WorkerTimeoutError after the 300 s limit, not WorkerDiedError
     with pytest.raises(WorkerDiedError) as info:
-        wg.crash_on_rank1.options(timeout=60)()
+        wg.crash_on_rank1.options(timeout=300)()
     assert info.value.rank == 1 and info.value.method == "crash_on_rank1"
     assert "died" in str(info.value)
-    assert time.monotonic() - start < 20  # not the 30 s rank 0 sleeps, nor the timeout
     wg.shutdown()
     pool.shutdown()
 
@@ -350,11 +349,9 @@ def test_pool_refuses_more_groups_than_it_can_colocate(ray_cluster):
 def test_impossible_resources_fail_fast(ray_cluster):
     from rlcore.single_controller import ResourceError
 
-    pool = RayResourcePool([2], use_gpu=True, name_prefix="gpu")
-    start = time.monotonic()
-    with pytest.raises(ResourceError, match="No GPUs in this cluster"):
-        RayWorkerGroup(pool, ClassWithInitArgs(Calc, scale=1))
-    assert time.monotonic() - start < 5
+    pool = RayResourcePool([2], use_gpu=True, name_prefix="gpu", ready_timeout_s=3600)
+    with pytest.raises(ResourceError, match="can never place 2 processes .* No GPUs in this cluster"):
+        RayWorkerGroup(pool, ClassWithInitArgs(Calc, scale=1))  # the check before Ray is asked, not the hour's wait
     with pytest.raises(ResourceError, match="can never place 64 processes"):
         RayResourcePool([64], num_cpus_per_process=1).placement_groups()
 

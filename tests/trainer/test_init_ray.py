@@ -4,7 +4,6 @@ to, without the local-instance options. (A listener that accepts and never answe
 
 import socket
 import threading
-import time
 
 import pytest
 
@@ -33,14 +32,13 @@ def trainer(**keys):
     return load_config({"trainer": {"ray_connect_timeout_s": 5, **keys}}, ["trainer"])
 
 
+@pytest.mark.timeout(120)  # a connect that waited out its limit (600 s) instead of failing at once meets this
 def test_a_dead_ray_address_fails_fast_naming_it(monkeypatch, fake_ray_init):
     address = f"127.0.0.1:{closed_port()}"
     monkeypatch.setenv("RAY_ADDRESS", address)
-    start = time.monotonic()
     with pytest.raises(ConnectionError, match=rf"no Ray cluster answers at {address} \(from the RAY_ADDRESS "
-                                              r"environment variable\) within 5s"):
-        init_ray(trainer())
-    assert time.monotonic() - start < 5
+                                              r"environment variable\) within 600s"):
+        init_ray(trainer(ray_connect_timeout_s=600))
     assert fake_ray_init == []  # never handed to ray.init
     monkeypatch.delenv("RAY_ADDRESS")
     with pytest.raises(ConnectionError, match=rf"at ray://{address} \(from trainer.ray_address\)"):

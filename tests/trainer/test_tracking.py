@@ -104,6 +104,8 @@ def test_timer_measures_real_time():
     import time
 
     timer = Timer()
+    outer = time.perf_counter()
     with timer("sleep"):
         time.sleep(0.05)
-    assert 0.05 <= timer.durations["sleep"] < 1.0
+    outer = time.perf_counter() - outer
+    assert 0.05 <= timer.durations["sleep"] <= outer  # bounds that hold on a machine of any speed
