@@ -33,6 +33,7 @@ from rlcore.trainer.builder import build_data, build_rollout_group, build_worker
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
+from rlcore.trainer.verl_compat import translate_sys_argv
 from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "replay", "trainer")
@@ -99,4 +100,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
     main()

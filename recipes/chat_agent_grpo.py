@@ -35,6 +35,7 @@ from rlcore.agentic.chat_proxy import ChatProxyConfig
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.streamed_grpo import train_on_streamed_episodes
+from rlcore.trainer.verl_compat import translate_sys_argv
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "agent", "agentic", "trainer")
 register_schema("chat_agent_grpo_schema", SECTIONS)
@@ -86,4 +87,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
     main()

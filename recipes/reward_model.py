@@ -32,6 +32,7 @@ from rlcore.trainer.config import ConfigError, load_config, register_schema
 from rlcore.trainer.learned_reward import build_pair_data, pair_metrics
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import mean_over_ranks
+from rlcore.trainer.verl_compat import translate_sys_argv
 from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "reward_model", "trainer")
@@ -64,4 +65,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
     main()

@@ -34,6 +34,7 @@ from rlcore.trainer.builder import build_data, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import mean_over_ranks, validate
+from rlcore.trainer.verl_compat import translate_sys_argv
 from rlcore.workers.actor import INPUT_KEYS, ActorWorker
 
 SECTIONS = ("model", "tiny_model", "data", "actor", "rollout", "reward", "trainer")
@@ -116,4 +117,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
     main()

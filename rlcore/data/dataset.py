@@ -74,6 +74,47 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
                      f"use .jsonl, .json (JSON lines) or .parquet")
 
 
+def use_chat_template(apply_chat_template: bool | str | None, tokenizer: Any) -> bool:
+    """Whether plain-string prompts go through ``tokenizer``'s chat template: True/False as given,
+    None or "auto" when the tokenizer has one. True without a template is an error."""
+    if not (apply_chat_template is None or isinstance(apply_chat_template, bool) or apply_chat_template == "auto"):
+        raise ValueError(f"apply_chat_template must be true, false, null or 'auto', got {apply_chat_template!r}")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if apply_chat_template is True and not has_template:
+        raise ValueError("apply_chat_template=True but the tokenizer has no chat_template")
+    return has_template if apply_chat_template in (None, "auto") else apply_chat_template
+
+
+def first_record(path: str | Path) -> dict[str, Any]:
+    """The first row of a `.jsonl`/`.json` or `.parquet` file, reading no more of it than that: what a
+    pre-flight check reads to find a missing file, a wrong format or a missing column at once."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    if path.suffix in (".jsonl", ".json"):
+        with path.open(encoding="utf-8") as f:
+            for line_no, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{line_no}: not a JSON object per line ({e})") from e
+                    if not isinstance(row, dict):
+                        raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                    return row
+        raise ValueError(f"no rows in {path}")
+    if path.suffix == ".parquet":
+        try:
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
+        except Exception as e:  # pyarrow's own error types: a file that is not parquet
+            raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+        if batch is None or batch.num_rows == 0:
+            raise ValueError(f"no rows in {path}")
+        return batch.to_pylist()[0]
+    raise ValueError(f"unsupported dataset file type {path.suffix!r} for {path}; "
+                     f"use .jsonl, .json (JSON lines) or .parquet")
+
+
 def check_answer(value: Any, key: str, path: str | Path, row: int) -> None:
     """A ground truth a reward function can compare against: a non-empty string or a number (a
     list of them for several right answers). Checked when the file is read, so a bad row is an
@@ -97,8 +138,9 @@ class PromptDataset(torch.utils.data.Dataset):
 
     The prompt column holds either a string or a chat list of {"role", "content"} messages.
     A chat list always goes through the tokenizer's chat template (`add_generation_prompt=True`), as
-    verl renders it: it has no other text. `apply_chat_template` decides for string prompts: None
-    templates them whenever the tokenizer has a chat template, as a single user message. Templated
+    verl renders it: it has no other text. `apply_chat_template` decides for string prompts: None or
+    "auto" templates them whenever the tokenizer has a chat template, as a single user message (what
+    a chat model expects); True always (an error without a template); False never. Templated
     text is tokenized without extra special tokens (the template writes them); plain text gets the
     tokenizer's usual ones.
 
@@ -115,17 +157,13 @@ class PromptDataset(torch.utils.data.Dataset):
         prompt_key: str = "prompt",
         answer_key: str | None = "answer",
         max_prompt_length: int = 512,
-        apply_chat_template: bool | None = None,
+        apply_chat_template: bool | str | None = None,
         filter_overlong: bool = True,
         extra_keys: Sequence[str] = ("data_source",),
     ) -> None:
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if apply_chat_template and not has_template:
-            raise ValueError("apply_chat_template=True but the tokenizer has no chat_template")
-        self.use_chat_template = (has_template if apply_chat_template is None
-                                  else apply_chat_template)
+        self.use_chat_template = use_chat_template(apply_chat_template, tokenizer)
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.extra_keys = tuple(extra_keys)
@@ -135,6 +173,7 @@ class PromptDataset(torch.utils.data.Dataset):
             raise ValueError("PromptDataset needs at least one file")
         raw_prompts: list[str] = []
         templated: list[bool] = []
+        plain: list[bool] = []
         records: list[dict[str, Any]] = []
         for path in files:
             rows, columns = read_records(path)
@@ -154,6 +193,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 text, with_template = self._render(row[prompt_key], path, i)
                 raw_prompts.append(text)
                 templated.append(with_template)
+                plain.append(isinstance(row[prompt_key], str))
                 records.append({
                     "ground_truth": truth,
                     "messages": self._messages(row[prompt_key]),
@@ -178,12 +218,26 @@ class PromptDataset(torch.utils.data.Dataset):
             self.items.append({"input_ids": torch.tensor(ids, dtype=torch.long),
                                "raw_prompt": text, **rec})
         self.num_filtered = len(raw_prompts) - len(self.items)
+        self.num_plain = sum(plain)  # string prompts (chat lists are always templated)
         if self.num_filtered:
             logger.warning("PromptDataset: dropped %d of %d prompts longer than %d tokens",
                            self.num_filtered, len(raw_prompts), max_prompt_length)
         if not self.items:
             raise ValueError(f"no prompts left: all {len(raw_prompts)} are longer than "
                              f"max_prompt_length={max_prompt_length}")
+
+    def describe(self) -> str:
+        """One line on what the policy is fed: how many prompts, and whether the plain-string ones went
+        through the chat template (a chat model fed raw text answers worse; printed at load)."""
+        chats = len(self.items) + self.num_filtered - self.num_plain
+        parts = []
+        if self.num_plain:
+            how = "through the tokenizer's chat template" if self.use_chat_template else "as plain text, no chat template"
+            parts.append(f"{self.num_plain} plain-string prompts {how}")
+        if chats:
+            parts.append(f"{chats} chat-message prompts through the chat template")
+        dropped = f", {self.num_filtered} dropped as too long" if self.num_filtered else ""
+        return f"{len(self.items)} prompts ({'; '.join(parts)}{dropped})"
 
     @staticmethod
     def _messages(prompt: Any) -> list[dict[str, Any]]:

@@ -53,7 +53,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from rlcore.data.dataset import read_records
+from rlcore.data.dataset import read_records, use_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -182,15 +182,12 @@ class PairDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, files: str | Path | Sequence[str | Path], tokenizer: Any, prompt_key: str = "prompt",
-                 max_prompt_length: int = 512, apply_chat_template: bool | None = False) -> None:
+                 max_prompt_length: int = 512, apply_chat_template: bool | str | None = False) -> None:
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
         if tokenizer.eos_token_id is None:
             raise ValueError("PairDataset needs a tokenizer with an eos token: responses end with it")
-        has_template = bool(getattr(tokenizer, "chat_template", None))
-        if apply_chat_template and not has_template:
-            raise ValueError("apply_chat_template=True but the tokenizer has no chat_template")
-        self.use_chat_template = has_template if apply_chat_template is None else bool(apply_chat_template)
+        self.use_chat_template = use_chat_template(apply_chat_template, tokenizer)
         self.tokenizer = tokenizer
         files = [files] if isinstance(files, (str, Path)) else list(files)
         if not files:

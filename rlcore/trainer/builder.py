@@ -46,6 +46,8 @@ from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
 from rlcore.trainer.choices import resolve_choices
 from rlcore.trainer.config import to_worker_config
+from rlcore.trainer.preflight import preflight
+from rlcore.trainer.progress import phase
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward_model import RewardModelWorker
@@ -184,12 +186,15 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
     if bad or not {"actor", "rm"} & set(roles):
         raise ValueError(f"roles must include 'actor' (or 'rm', to train a reward model) and come from {ROLES}, "
                          f"got {list(roles)}")
+    preflight(cfg)  # every path, file and folder the run names, before any process or engine starts
     config = _worker_config(cfg)
     # A LoRA actor is its own reference (adapters off, rlcore.workers.lora): no second copy of the weights.
     lora_ref = ("ref" in roles and "ref" not in (classes or {})
                 and OmegaConf.select(cfg, "actor.lora.rank", default=0) > 0)
     built = [r for r in roles if not (lora_ref and r == "ref")]
     colocated = create_colocated_worker_cls({r: _role_class(r, config, classes or {}) for r in built})
+    t = cfg.trainer
+    phase(f"starting workers: {', '.join(built)} (trainer.backend={t.backend}, {t.nnodes * t.procs_per_node} rank(s))")
     group, pool = _placed_group(cfg, colocated)
     views = group.spawn(built)
     for view in [group, *views.values()]:  # methods registered balance=True split by token count, or not
@@ -199,8 +204,18 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
     workers = Workers(group=group, pool=pool, roles=built, rm_trained=rm_is_trained(config), **views)
     for role in ROLES:  # the actor first: it joins torch.distributed, which the others then share
         if role in built:
+            phase(_loading(cfg, role))
             views[role].init_model()
+    phase("workers ready")
     return workers
+
+
+def _loading(cfg: DictConfig, role: str) -> str:
+    """The progress line of a role's model load (a vLLM engine's is the slow one)."""
+    if role == "rollout":
+        backend = cfg.rollout.backend
+        return f"loading the rollout engine ({backend}{': about a minute on CPU' if backend == 'vllm' else ''})"
+    return f"loading the {role} model"
 
 
 def build_rollout_group(cfg: DictConfig) -> Workers:
@@ -209,6 +224,7 @@ def build_rollout_group(cfg: DictConfig) -> Workers:
     ``build_workers`` (a Ray pool of its own, or this process with ``trainer.backend=local``);
     weights reach it through ``update_weights``, never in memory."""
     group, pool = _placed_group(cfg, _role_class("rollout", _worker_config(cfg), {}), suffix="_rollout")
+    phase(_loading(cfg, "rollout") + " in a group of its own")
     group.init_model()
     return Workers(group=group, pool=pool, roles=["rollout"], rollout=group)
 
@@ -304,8 +320,11 @@ def build_data(cfg: DictConfig, tokenizer: Any) -> tuple[PromptLoader, list[Data
     validation prompts as DataProto batches marked for greedy decoding."""
     train_files, val_files = data_files(cfg)
     d = cfg.data
-    loader = PromptLoader(_dataset(cfg, train_files, tokenizer), d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
+    phase(f"loading data (data.apply_chat_template={d.apply_chat_template})")
+    train = _dataset(cfg, train_files, tokenizer)
+    loader = PromptLoader(train, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
     val = _dataset(cfg, val_files, tokenizer)
+    phase(f"data: train {train.describe()}; validation {val.describe()}")
     size = d.val_batch_size or len(val)
     batches = []
     for start in range(0, len(val), size):

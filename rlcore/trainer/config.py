@@ -127,7 +127,9 @@ class DataConfig:
     answer_key: str = "answer"
     response_key: str | None = None  # SFT only: the column trained on as the reply (e.g. "solution"); None: the answer
     max_prompt_length: int = 64  # longer prompts are dropped (and counted) when loading
-    apply_chat_template: bool | None = False  # None: when the tokenizer has a template
+    # plain-string prompts: "auto" (or null) through the chat template when the tokenizer has one (chat
+    # models, the smollm2 preset); true always; false never (the tiny model learns raw "a+b="). Chat lists always are
+    apply_chat_template: Any = False
     train_batch_size: int = 64  # prompts per training step
     val_batch_size: int | None = None  # prompts per validation generate call; None: all at once
     shuffle: bool = True
@@ -138,6 +140,9 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.task not in GENERATED_TASKS:
             raise ValueError(f"data.task must be one of {GENERATED_TASKS}, got {self.task!r}")
+        if not (self.apply_chat_template is None or isinstance(self.apply_chat_template, bool)
+                or self.apply_chat_template == "auto"):
+            raise ValueError(f"data.apply_chat_template must be true, false, null or auto, got {self.apply_chat_template!r}")
 
 
 @dataclass

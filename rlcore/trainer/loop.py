@@ -40,14 +40,12 @@ and does, around the recipe's own work:
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 import random
 import shutil
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -66,6 +64,7 @@ from rlcore.trainer.run_checkpoint import (
     restore_rng_state,
     save_run_state,
 )
+from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
 from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
 from rlcore.trainer.trajectories import TRAJECTORY_DIR, TrajectoryWriter
@@ -75,42 +74,6 @@ CONSOLE_KEYS = (
     "actor/kl_loss", "actor/reward_kl_penalty", "critic/vf_loss", "sft/nll", "rm/loss", "rm/accuracy",
     "val/pair_accuracy", "timing_s/step",
 )
-
-
-LOCK_FILE = "run.lock"
-RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR, "wandb", "mlruns", TRAJECTORY_DIR)  # what a run leaves in its folder
-
-
-class RunFolderError(RuntimeError):
-    """The run folder is in use by a live run, or holds another run's records."""
-
-
-def claim_run_folder(folder: Path, resume: str, overwrite: bool) -> IO:
-    """Lock ``folder`` for this run and check it holds no other run (module docstring). Returns the
-    open lock file: closing it (or the process ending) releases the folder."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = open(folder / LOCK_FILE, "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
-        raise RunFolderError(f"run folder {folder} is in use by a live run (pid {holder}): two runs cannot share "
-                             "a folder; give this one another trainer.run_name") from None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    found = [name for name in RUN_RECORDS if (folder / name).exists()]
-    if found and resume == "disable":
-        if not overwrite:
-            lock.close()
-            raise RunFolderError(f"run folder {folder} holds another run ({', '.join(found)}): set trainer.resume=auto "
-                                 "to continue it, trainer.overwrite=true to replace it, or another trainer.run_name")
-        for name in found:
-            path = folder / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    return lock
 
 
 class Stateful(Protocol):

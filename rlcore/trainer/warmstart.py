@@ -31,9 +31,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlcore.trainer.preflight import preflight
+from rlcore.trainer.progress import phase
+
 
 def warm_start(cfg: DictConfig) -> str:
     """The HF directory of the warm-started policy for this run's data, built on first use."""
+    preflight(cfg)  # the run's own paths, before the SFT run: a typo should not wait for it
     w = cfg.warmstart
     data = OmegaConf.to_container(cfg.data, resolve=True)
     what = {"recipe": w.recipe, "steps": w.steps, "data": data}
@@ -47,7 +51,7 @@ def warm_start(cfg: DictConfig) -> str:
         fcntl.flock(lock, fcntl.LOCK_EX)  # two recipes started together build it once
         if not marker.exists():
             shutil.rmtree(folder, ignore_errors=True)  # a build that died midway left no marker
-            print(f"warm start: {w.steps} steps of {w.recipe} -> {folder}", flush=True)
+            phase(f"warm start: {w.steps} steps of {w.recipe} -> {folder}")
             start = time.perf_counter()
             _run_recipe(cfg, folder, data)
             run_dir = folder / "sft" / "run"
