@@ -32,6 +32,9 @@ and does, around the recipe's own work:
   actor's adapters merged in; in a reward-model run, the reward model) in each checkpoint
   (``<ckpt>/hf``) and, after the last step, in the run folder (``<run>/hf``), which
   ``AutoModelForCausalLM.from_pretrained`` and vLLM load. Here, once, for every recipe;
+- SIGTERM / SIGINT (``timeout``, schedulers, ctrl-C; ``rlcore.trainer.stop_signal``): the step under way
+  finishes, a checkpoint of it is saved (with ``save_freq: 0`` too; its ``hf/`` with ``export_hf``), and the
+  process exits with 128 + the signal's number (143, 130); a second signal exits at once;
 - teardown: used as a context manager (``with TrainingRun(...) as run:``) it closes the loggers and
   shuts the workers down however the block ends, after whatever the recipe handed to
   ``run.on_close`` (a producer thread, a second worker group), latest first.
@@ -42,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import random
 import shutil
+import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -58,6 +62,7 @@ from rlcore.trainer.builder import Workers, prompts_to_proto
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
     HF_DIR,
+    find_latest_checkpoint,
     load_run_state,
     prune_checkpoints,
     resolve_resume,
@@ -65,6 +70,7 @@ from rlcore.trainer.run_checkpoint import (
     save_run_state,
 )
 from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
+from rlcore.trainer.stop_signal import RunStopped, StopSignals
 from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
 from rlcore.trainer.trajectories import TRAJECTORY_DIR, TrajectoryWriter
@@ -109,6 +115,10 @@ class TrainingRun:
             raise
         self._batches = iter(loader)
         self._step_start = time.perf_counter()
+        self._stop = StopSignals()  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 128 + signum
+        self._stop.install()
+        self._teardown.callback(self._stop.restore)
+        self._saved_at: int | None = None  # the step of this run's latest checkpoint
 
     def _start(self, t: DictConfig) -> None:
         random.seed(t.seed)
@@ -134,6 +144,7 @@ class TrainingRun:
         if self.start_step == 0 and t.val_before_train and t.val_freq:
             self.tracker.log(self.validate(), step=0)
         for step in range(self.start_step + 1, t.total_steps + 1):
+            self._stop_if_asked(step - 1)
             self.timer.reset()
             self._step_start = time.perf_counter()
             yield step
@@ -174,6 +185,21 @@ class TrainingRun:
             out.update(throughput_metrics(self.timer.durations, tokens))
             out["throughput/step"] = tokens / out["timing_s/step"]
         self.tracker.log(out, step=step)
+        self._stop_if_asked(step)
+
+    def _stop_if_asked(self, step: int) -> None:
+        """After a stop signal (``rlcore.trainer.stop_signal``): checkpoint ``step``, the last finished one
+        (unless saved already, or none finished), and exit with 128 + the signal's number."""
+        if not self._stop.requested:
+            return
+        if step > self.start_step and self._saved_at != step:
+            with self.timer("save_checkpoint"):
+                self.save(step)
+        found = find_latest_checkpoint(self.ckpt_dir)
+        where = (f"checkpoint {found[1]} (step {found[0]}): continue with trainer.resume=auto, or export it with "
+                 f"python -m rlcore.trainer.export {found[1]}" if found else "no step finished, nothing saved")
+        print(f"stopped by {signal.Signals(self._stop.signum).name} after step {step}; {where}", flush=True)
+        raise RunStopped(self._stop.exit_code())
 
     def balance_metrics(self) -> dict[str, float]:
         """``balance/<role>/tokens_max_min_{before,after}``: max over min of the tokens per DP rank in
@@ -194,7 +220,7 @@ class TrainingRun:
         return self
 
     def __exit__(self, exc_type, *exc_info) -> None:
-        self._failed = exc_type is not None  # W&B / MLflow mark the run failed
+        self._failed = exc_type is not None and not issubclass(exc_type, RunStopped)  # W&B / MLflow mark it failed
         self.close()
 
     def on_close(self, callback: Callable[[], Any]) -> None:
@@ -216,6 +242,7 @@ class TrainingRun:
                     self._exported_at = step
         state = {"loader": self.loader.state_dict(), **{k: v.state_dict() for k, v in self.state.items()}}
         save_run_state(self.ckpt_dir, step, state)  # written last: marks the checkpoint complete
+        self._saved_at = step
         if self.cfg.trainer.max_ckpt_to_keep:
             prune_checkpoints(self.ckpt_dir, self.cfg.trainer.max_ckpt_to_keep)
 

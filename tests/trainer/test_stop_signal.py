@@ -1,0 +1,111 @@
+"""SIGTERM / SIGINT during a run: the step under way finishes, is checkpointed (save_freq 0 too), and the
+process exits with 128 + the signal's number. In-process on TrainingRun's bookkeeping, and end to end
+on a real GRPO run in a subprocess, resumed from what it left."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import recipes.grpo
+from rlcore.models.tiny import build_tiny_model
+from rlcore.trainer.builder import Workers
+from rlcore.trainer.config import load_config
+from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.run_checkpoint import find_latest_checkpoint
+from rlcore.trainer.stop_signal import RunStopped
+from rlcore.trainer.tracking import read_jsonl_metrics
+
+from run_stubs import EmptyLoader
+
+REPO = Path(recipes.grpo.__file__).resolve().parent.parent
+
+
+class NoGroup:
+    def shutdown(self):
+        pass
+
+
+def start(tmp_path, **trainer) -> TrainingRun:
+    cfg = load_config({"trainer": {"output_dir": str(tmp_path), "loggers": ["jsonl"], "val_freq": 0, "save_freq": 0,
+                                   "total_steps": 10, **trainer}}, ["trainer"])
+    return TrainingRun(cfg, Workers(group=NoGroup()), EmptyLoader(), validate=dict)
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_mid_step_saves_that_step_and_exits_with_its_code(tmp_path, capsys, sig, code):
+    before = signal.getsignal(sig)
+    run = start(tmp_path)
+    with pytest.raises(RunStopped) as stopped:
+        with run:
+            for step in run.steps():
+                if step == 3:
+                    os.kill(os.getpid(), sig)  # arrives mid-step: the step still finishes and is logged
+                run.end_step(step, {"x": float(step)})
+    assert stopped.value.code == code
+    assert [r["step"] for r in read_jsonl_metrics(run.dir / "metrics.jsonl")] == [1, 2, 3]
+    assert find_latest_checkpoint(run.ckpt_dir) == (3, run.ckpt_dir / "global_step_3")
+    assert f"stopped by {sig.name} after step 3; checkpoint {run.ckpt_dir / 'global_step_3'}" in capsys.readouterr().out
+    assert signal.getsignal(sig) is before  # the previous handler is back once the run closed
+
+
+def test_a_second_signal_exits_at_once_and_none_leaves_the_run_alone(tmp_path):
+    run = start(tmp_path)
+    with pytest.raises(RunStopped) as stopped:
+        with run:
+            for step in run.steps():
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGTERM)  # raises here: the step is not finished
+                run.end_step(step, {"x": 1.0})
+    assert stopped.value.code == 143
+    assert find_latest_checkpoint(run.ckpt_dir) is None and not (run.dir / "metrics.jsonl").read_text()
+    quiet = start(tmp_path / "other")
+    with quiet:
+        for step in quiet.steps():
+            quiet.end_step(step, {"x": 1.0})
+    assert find_latest_checkpoint(quiet.ckpt_dir) is None  # save_freq 0 and no signal: no checkpoint
+
+
+def logged_steps(path: Path) -> list[int]:
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_stops_a_real_grpo_run_with_a_usable_checkpoint(tmp_path):
+    model = build_tiny_model(tmp_path / "model", hidden_size=64, num_heads=2, num_kv_heads=1)
+    common = [f"model.path={model}", f"trainer.output_dir={tmp_path}", "trainer.loggers=[jsonl]",
+              "trainer.backend=local", "trainer.val_freq=0", "trainer.save_freq=0", "data.train_batch_size=4",
+              "data.arithmetic.n_train=16", "data.arithmetic.n_val=4", "actor.ppo_micro_batch_size_per_gpu=8",
+              "rollout.n=2", "rollout.max_new_tokens=4"]
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.grpo", *common, "trainer.total_steps=10000"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "grpo" / "default" / "metrics.jsonl"
+    deadline = time.monotonic() + 400  # a bound on a hang, not a timing the test relies on
+    while max(logged_steps(metrics), default=0) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "step 2 never logged"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    last = max(logged_steps(metrics))
+    assert last >= 2
+    assert "SIGTERM received: finishing the current step" in err
+    ckpt = tmp_path / "grpo" / "default" / "checkpoints" / f"global_step_{last}"
+    assert f"stopped by SIGTERM after step {last}; checkpoint {ckpt}" in out
+    assert find_latest_checkpoint(ckpt.parent) == (last, ckpt)
+    assert (ckpt / "hf" / "model.safetensors").is_file()  # export_hf: the model of that step, loadable
+    with initialize_config_dir(config_dir=str(REPO / "recipes" / "config"), version_base=None):
+        cfg = compose("grpo", overrides=[*common, f"trainer.total_steps={last + 1}", "trainer.resume=auto"])
+    resumed = recipes.grpo.train(cfg)
+    assert resumed.start_step == last
+    assert logged_steps(metrics) == list(range(1, last + 2))
