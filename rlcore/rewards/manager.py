@@ -319,6 +319,15 @@ class RuleRewardManager:
             return self._decode(prompt_ids, data.batch["attention_mask"][:, : prompt_ids.shape[1]].bool())
         return [None] * len(data)
 
+    def check_sources(self, sources: Sequence[Any]) -> None:
+        """A ``ValueError`` listing the data sources no function scores: checked before generating."""
+        unknown = [s for s in dict.fromkeys(sources) if s not in self._by_source and self._default is None
+                   and (not isinstance(s, str) or ":" in s or reward_fn_for_source(s) is None)]
+        if unknown:
+            raise ValueError(f"no reward function for data_source {unknown}: not a registered name nor a verl data "
+                             f"source mapped to one, no reward_fn given, reward_fn_by_source lists "
+                             f"{sorted(map(str, self._by_source))}")
+
     def _fn_for(self, source: Any, index: int) -> tuple[str, RewardCall]:
         if source in self._by_source:
             return self._by_source[source]
