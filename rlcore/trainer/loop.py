@@ -76,7 +76,7 @@ from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
 from rlcore.trainer.trajectories import TRAJECTORY_DIR, TrajectoryWriter
 
 CONSOLE_KEYS = (
-    "critic/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
+    "reward/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
     "actor/kl_loss", "actor/reward_kl_penalty", "critic/vf_loss", "sft/nll", "rm/loss", "rm/accuracy",
     "val/pair_accuracy", "timing_s/step",
 )

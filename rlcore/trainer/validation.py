@@ -55,10 +55,10 @@ def batch_metrics(batch: DataProto) -> dict[str, float]:
     out: dict[str, float] = {}
     if "token_level_scores" in b.keys():
         scores = b["token_level_scores"].sum(-1)
-        out.update(_stats("critic/score", scores))
-        out["critic/score/std"] = scores.double().std(unbiased=False).item()
+        out.update(_stats("reward/score", scores))
+        out["reward/score/std"] = scores.double().std(unbiased=False).item()
     if "token_level_rewards" in b.keys():
-        out.update(_stats("critic/rewards", b["token_level_rewards"].sum(-1)))
+        out.update(_stats("reward/rewards", b["token_level_rewards"].sum(-1)))
     for key, name in (("advantages", "critic/advantages"), ("returns", "critic/returns"), ("values", "critic/values")):
         if key in b.keys():
             valid = b[key][mask]

@@ -68,8 +68,8 @@ def check_metrics(run: TrainingRun, steps: int, keys: set[str]) -> list[dict]:
     return rows
 
 
-RL_KEYS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm", "critic/score/mean",
-           "critic/score/std", "critic/advantages/mean", "response_length/mean", "response_length/max",
+RL_KEYS = {"actor/pg_loss", "actor/pg_clipfrac", "actor/entropy", "actor/grad_norm", "reward/score/mean",
+           "reward/score/std", "critic/advantages/mean", "response_length/mean", "response_length/max",
            "val/reward_mean", "rollout/tokens_per_s", "timing_s/gen", "timing_s/update_actor", "throughput/step"}
 
 
@@ -218,7 +218,7 @@ def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
     for want, have in zip(expected[3:], got[3:]):
         assert have == want, {k: (want[k], have.get(k)) for k in want if have.get(k) != want[k]}
-    assert len({r["critic/score/mean"] for r in expected[1:]}) > 1  # sampled: the scores vary from step to step
+    assert len({r["reward/score/mean"] for r in expected[1:]}) > 1  # sampled: the scores vary from step to step
 
 
 def run_recipe(name: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -279,7 +279,7 @@ def test_chat_agent_grpo_trains_a_black_box_openai_agent(tmp_path, tiny_model, r
         "pool/staleness_mean", "sync/push_s", "timing_s/wait_rollout"})
     for r in rows[1:]:
         assert 1 <= r["episode/requests_mean"] <= 3 and r["episode/segments_mean"] == 1.0
-        assert r["critic/score/max"] in (0.0, 0.25, 0.5, 1.0)  # the agent's rewards: 0.5 ** (try - 1), or 0
+        assert r["reward/score/max"] in (0.0, 0.25, 0.5, 1.0)  # the agent's rewards: 0.5 ** (try - 1), or 0
 
 
 def test_chat_agent_grpo_trains_an_agent_written_with_the_anthropic_client(tmp_path, tiny_model, ray_cluster):
@@ -292,4 +292,4 @@ def test_chat_agent_grpo_trains_an_agent_written_with_the_anthropic_client(tmp_p
     [row] = check_metrics(run, 1, {"actor/pg_loss", "episode/reward_mean", "episode/requests_mean",
                                    "episode/tries_mean", "episode/first_try_right"})[1:]
     assert 1 <= row["episode/requests_mean"] <= 3 and row["episode/tries_mean"] == row["episode/requests_mean"]
-    assert row["critic/score/max"] in (0.0, 0.25, 0.5, 1.0)
+    assert row["reward/score/max"] in (0.0, 0.25, 0.5, 1.0)

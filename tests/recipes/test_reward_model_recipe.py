@@ -125,7 +125,7 @@ def check_scores(seen, rm_dir, tokenizer, rule_weight, rm_weight):
         assert len(set(rm.tolist())) > 1  # responses score apart: the check can fail
         assert metrics["reward/rm/mean"] == pytest.approx(rm.mean().item(), abs=1e-5)
         assert metrics["reward/rule/mean"] == pytest.approx(rule.mean().item(), abs=1e-6)
-        assert metrics["critic/score/mean"] == pytest.approx(b["reward_scores"].mean().item(), abs=1e-5)
+        assert metrics["reward/score/mean"] == pytest.approx(b["reward_scores"].mean().item(), abs=1e-5)
 
 
 def test_grpo_trains_on_rule_plus_weighted_reward_model_scores(tmp_path, tiny_model, random_rm, monkeypatch):

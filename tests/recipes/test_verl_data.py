@@ -110,7 +110,7 @@ def test_grpo_trains_on_verl_parquet_as_it_is(tmp_path, tiny_model, verl_files, 
     assert checked == 2 * 4 * 4 + 2 * 4  # 2 steps x 4 prompts x 4 samples, 2 validations x 4 prompts
     train_scores = torch.cat([o.batch["reward_scores"] for _, o in train_calls])
     assert 0 < hits and train_scores.min() == 0.0  # a mix: the equality above is not just 0 == 0
-    assert metrics[1]["critic/score/mean"] == pytest.approx(train_calls[0][1].batch["reward_scores"].mean().item())
+    assert metrics[1]["reward/score/mean"] == pytest.approx(train_calls[0][1].batch["reward_scores"].mean().item())
 
 
 def test_a_verl_compute_score_file_scores_the_same_rows(tmp_path, tiny_model, verl_files, scored):

@@ -55,13 +55,13 @@ def test_batch_metrics_by_hand():
         "ref_log_prob": torch.tensor([[-1.0, -1.0], [-2.0, 5.0]]),
     }, {"uid": np.array(["a", "b"], dtype=object)}, {"rollout/tokens_per_s": 5.0, "temperature": 1.0})
     m = batch_metrics(data)
-    assert (m["critic/score/mean"], m["critic/score/max"], m["critic/score/std"]) == (0.5, 1.0, 0.5)
+    assert (m["reward/score/mean"], m["reward/score/max"], m["reward/score/std"]) == (0.5, 1.0, 0.5)
     assert (m["critic/advantages/mean"], m["critic/advantages/max"], m["critic/advantages/min"]) == (2.0, 3.0, 1.0)
     assert (m["response_length/mean"], m["response_length/max"], m["response_length/clip_ratio"]) == (1.5, 2, 0.5)
     assert (m["prompt_length/mean"], m["prompt_length/min"]) == (1.5, 1)
     assert m["rollout/tokens_per_s"] == 5.0 and "temperature" not in m
     assert m["actor/kl_old_ref"] == pytest.approx(4 / 3)  # (1 + 1 + 2) / 3 valid tokens
-    assert "critic/values/mean" not in m and "critic/rewards/mean" not in m
+    assert "critic/values/mean" not in m and "reward/rewards/mean" not in m
 
 
 def test_mean_over_ranks():
