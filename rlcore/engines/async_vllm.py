@@ -41,6 +41,7 @@ import torch
 from rlcore.engines.async_base import AsyncEngine, Completion, TokenChunk
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.engines.dtype_choice import default_vllm_dtype
+from rlcore.engines.vllm_logs import quiet_vllm_logs
 from rlcore.engines.weights import WeightBucket
 from rlcore.models.config import ModelConfig, torch_dtype
 
@@ -50,6 +51,7 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 class AsyncVLLMEngine(AsyncEngine):
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0,
                  engine_id: int | str | None = None) -> None:
+        quiet_vllm_logs()  # its known-harmless start-up warnings, here and in the engine core process
         from vllm import AsyncEngineArgs  # optional dependency: imported when a vLLM engine is built
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -42,6 +42,7 @@ from rlcore.engines import routing
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
 from rlcore.engines.dtype_choice import default_vllm_dtype
 from rlcore.engines.seeding import CallSeeds, derive_seed
+from rlcore.engines.vllm_logs import quiet_vllm_logs
 from rlcore.engines.vllm_worker import drop_dense_parallel_groups, in_place_plan, reload_weights
 from rlcore.models.config import ModelConfig, torch_dtype
 
@@ -54,6 +55,7 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        quiet_vllm_logs()  # its known-harmless start-up warnings (rlcore.engines.vllm_logs)
         from vllm import LLM  # optional dependency: imported when a vLLM engine is built
 
         hf_config = AutoConfig.from_pretrained(model_cfg.require_path())

@@ -251,6 +251,8 @@ def _placed_group(cfg: DictConfig, worker: Any, suffix: str = "") -> tuple[Worke
         # As many threads as a Ray rank would get. torch._C's builtin, because a vLLM CPU engine started
         # earlier in this process replaces torch.set_num_threads with a no-op that only logs a warning.
         torch._C.set_num_threads(max(1, int(t.cpus_per_proc)))
+        for key, value in WORKER_ENV.items():  # what a Ray worker gets; a value the user set wins
+            os.environ.setdefault(key, value)
         return LocalWorkerGroup(worker), None
     init_ray(cfg)
     # single_controller's Ray classes are looked up on use, so Ray is imported only when a Ray group is built

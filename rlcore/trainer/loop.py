@@ -69,6 +69,7 @@ from rlcore.trainer.run_checkpoint import (
     restore_rng_state,
     save_run_state,
 )
+from rlcore.trainer.progress import phase
 from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
 from rlcore.trainer.stop_signal import RunStopped, StopSignals
 from rlcore.trainer.timing import Timer, throughput_metrics
@@ -142,7 +143,9 @@ class TrainingRun:
         """Step numbers still to run (1-based), after validating the starting model when asked."""
         t = self.cfg.trainer
         if self.start_step == 0 and t.val_before_train and t.val_freq:
+            phase("validating the starting model (step 0; the first generate also warms the engine up)")
             self.tracker.log(self.validate(), step=0)
+        phase(f"training: steps {self.start_step + 1} to {t.total_steps}")
         for step in range(self.start_step + 1, t.total_steps + 1):
             self._stop_if_asked(step - 1)
             self.timer.reset()

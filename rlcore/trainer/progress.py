@@ -10,10 +10,14 @@ from __future__ import annotations
 import sys
 import time
 
+from tqdm import tqdm
+
 _START = time.monotonic()
 PREFIX = "[rlcore"
 
 
 def phase(message: str) -> None:
     """Print ``message`` as a progress line, stamped with the seconds since this process started."""
-    print(f"{PREFIX} {time.monotonic() - _START:6.1f}s] {message}", file=sys.stdout, flush=True)
+    # through tqdm: a progress bar on the console (the training bar) is cleared first and redrawn below
+    tqdm.write(f"{PREFIX} {time.monotonic() - _START:6.1f}s] {message}", file=sys.stdout)
+    sys.stdout.flush()
