@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from rlcore.typed_config import ConfigError
 from rlcore.trainer.config import load_config
+from rlcore.trainer.verl_compat import translate_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -49,6 +50,7 @@ def load_recipe_config(module_name: str, args: list[str]):
     name = module_name.split(".")[1]
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     module = importlib.import_module(module_name)  # registers the recipe's schema, which its YAML names
+    overrides = translate_overrides(overrides, module.SECTIONS)[0]  # verl's keys, as the recipe's __main__ does
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose(name, overrides=overrides)
     model_path = OmegaConf.select(cfg, "model.path")
