@@ -48,6 +48,7 @@ from rlcore.trainer.choices import resolve_choices
 from rlcore.trainer.config import to_worker_config
 from rlcore.trainer.preflight import preflight
 from rlcore.trainer.progress import phase
+from rlcore.trainer.stop_signal import exit_during_startup
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.reward_model import RewardModelWorker
@@ -121,6 +122,7 @@ def init_ray(cfg: DictConfig) -> None:
     else:
         loopback_only_ray()
         ray.init(address=address, num_cpus=t.ray_num_cpus, **options)
+    exit_during_startup()  # Ray's own SIGTERM handler exits with 15; the run's loop installs its own later
 
 
 LOOPBACK_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

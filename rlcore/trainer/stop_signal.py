@@ -26,6 +26,21 @@ class RunStopped(SystemExit):
     """Raised at a step boundary after a stop signal: exits the process with ``128 + signum``."""
 
 
+def exit_during_startup() -> None:
+    """Before a run's loop exists (its workers starting), SIGTERM / SIGINT end the process at once with
+    128 + signum and a message, replacing Ray's driver handler (``sys.exit(signum)``: exit code 15,
+    read as an ordinary failure). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handle(signum: int, frame: Any) -> None:
+        print(f"\n{signal.Signals(signum).name} during start-up: exiting (nothing trained yet)", file=sys.stderr,
+              flush=True)
+        raise RunStopped(128 + signum)
+
+    signal.signal(signal.SIGTERM, handle)
+
+
 class StopSignals:
     def __init__(self) -> None:
         self.signum: int | None = None

@@ -19,7 +19,7 @@ from rlcore.trainer.builder import Workers
 from rlcore.trainer.config import load_config
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.run_checkpoint import find_latest_checkpoint
-from rlcore.trainer.stop_signal import RunStopped
+from rlcore.trainer.stop_signal import RunStopped, exit_during_startup
 from rlcore.trainer.tracking import read_jsonl_metrics
 
 from run_stubs import EmptyLoader
@@ -109,3 +109,15 @@ def test_sigterm_stops_a_real_grpo_run_with_a_usable_checkpoint(tmp_path):
     resumed = recipes.grpo.train(cfg)
     assert resumed.start_step == last
     assert logged_steps(metrics) == list(range(1, last + 2))
+
+
+def test_a_signal_during_start_up_exits_at_once_with_its_code(capsys):
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        exit_during_startup()
+        with pytest.raises(RunStopped) as stopped:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped.value.code == 143
+        assert "SIGTERM during start-up: exiting (nothing trained yet)" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGTERM, before)
