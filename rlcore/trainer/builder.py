@@ -123,6 +123,8 @@ def init_ray(cfg: DictConfig) -> None:
         loopback_only_ray()
         ray.init(address=address, num_cpus=t.ray_num_cpus, **options)
     exit_during_startup()  # Ray's own SIGTERM handler exits with 15; the run's loop installs its own later
+    phase(f"Ray ready ({'cluster at ' + address if address and address != 'local' else 'a local instance'}); "
+          "starting the worker processes")
 
 
 LOOPBACK_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
