@@ -33,6 +33,7 @@ from rlcore.trainer.builder import build_data, build_workers, init_ray
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.tasks import episode_tasks
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
+from rlcore.trainer.progress import phase
 from rlcore.trainer.warmstart import warm_start
 
 StartRunners = Callable[[Sequence[Any], SamplingSettings], list]
@@ -51,6 +52,7 @@ def train_on_streamed_episodes(cfg: DictConfig, start_runners: StartRunners, des
     workers = build_workers(cfg, ["actor"] + (["ref"] if use_ref else []))
     init_ray(cfg)
     model_cfg, rollout_cfg = ModelConfig(**cfg.model), RolloutConfig(**OmegaConf.to_container(cfg.rollout))
+    phase(f"starting {a.num_engines} engine server(s) ({rollout_cfg.backend}) and {a.num_runners} episode runner(s)")
     engines = start_engine_servers(a.num_engines, model_cfg, rollout_cfg, num_cpus=a.cpus_per_engine,
                                    num_gpus=a.gpus_per_engine)
     sampling = SamplingSettings.resolve(rollout_cfg, {"n": 1})
