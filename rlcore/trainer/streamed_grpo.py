@@ -31,9 +31,9 @@ from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers, init_ray
 from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.progress import phase
 from rlcore.trainer.tasks import episode_tasks
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.trainer.progress import phase
 from rlcore.trainer.warmstart import warm_start
 
 StartRunners = Callable[[Sequence[Any], SamplingSettings], list]
