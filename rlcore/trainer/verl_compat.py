@@ -38,11 +38,11 @@ RENAMED = {
     "actor_rollout_ref.actor.grad_clip": "actor.grad_clip",
     "actor_rollout_ref.rollout.name": "rollout.backend",  # vllm, or hf for transformers' generate
     "actor_rollout_ref.rollout.response_length": "rollout.max_new_tokens",
-    "actor_rollout_ref.rollout.val_kwargs.temperature": "rollout.temperature",
     "critic.optim.lr": "critic.lr",
     "critic.optim.weight_decay": "critic.weight_decay",
     "critic.model.path": "model.path",
     "data.max_response_length": "rollout.max_new_tokens",
+    "algorithm.norm_adv_by_std_in_grpo": "algorithm.norm_adv_by_std",
     "trainer.total_training_steps": "trainer.total_steps",
     "trainer.n_gpus_per_node": "trainer.procs_per_node",
     "trainer.test_freq": "trainer.val_freq",
@@ -70,6 +70,9 @@ REFUSED = {
                                                                 "actor.ppo_micro_batch_size_per_gpu",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": "log-prob forwards use "
                                                                     "actor.ppo_micro_batch_size_per_gpu",
+    "actor_rollout_ref.rollout.val_kwargs.temperature": "validation decodes greedily (rollout.temperature is "
+                                                         "the training samples')",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": "validation decodes greedily",
     "trainer.total_epochs": "rlcore counts steps: set trainer.total_steps (one step = data.train_batch_size "
                             "prompts; an epoch = rows / data.train_batch_size steps)",
     "trainer.default_local_dir": "a run's folder is <trainer.output_dir>/<trainer.project>/<trainer.run_name>, "

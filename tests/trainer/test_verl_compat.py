@@ -67,3 +67,9 @@ def test_the_recipe_command_takes_verl_keys():
     refused = run_recipe("trainer.total_epochs=3", "--cfg", "job")
     assert refused.returncode == 2
     assert "error: trainer.total_epochs is verl's key" in refused.stderr and "append" not in refused.stderr
+
+
+def test_validation_sampling_is_not_mistaken_for_training_sampling():
+    assert translate_overrides(["algorithm.norm_adv_by_std_in_grpo=false"], GRPO)[0] == ["algorithm.norm_adv_by_std=false"]
+    with pytest.raises(ConfigError, match="validation decodes greedily"):
+        translate_overrides(["actor_rollout_ref.rollout.val_kwargs.temperature=0.6"], GRPO)
