@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def make_run(folder: Path, steps=(1, 2, 3)) -> Path:
     (folder / "trajectories").mkdir(parents=True)
-    rows = [{"step": s, "critic/score/mean": s / 10, "check/logprob_abs_diff_mean": float("nan") if s == 2 else 0.01}
+    rows = [{"step": s, "reward/score/mean": s / 10, "check/logprob_abs_diff_mean": float("nan") if s == 2 else 0.01}
             for s in steps]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     for s in steps:
@@ -98,11 +98,11 @@ def test_server_binds_loopback_and_refuses_requests_without_the_token(tmp_path):
         assert get(base + "/")[0] == 403
         assert get(base + "/?token=" + "x" * len(server.token))[0] == 403
         status, body = get(server.url)
-        assert status == 200 and '"critic/score/mean":0.3' in body
+        assert status == 200 and '"reward/score/mean":0.3' in body
         assert get(f"{base}/data?token={server.token}")[0] == 404
         with open(tmp_path / "run" / "metrics.jsonl", "a") as f:  # a live run: each load reads the folder again
-            f.write(json.dumps({"step": 4, "critic/score/mean": 0.875}) + "\n")
-        assert '"critic/score/mean":0.875' in get(server.url)[1]
+            f.write(json.dumps({"step": 4, "reward/score/mean": 0.875}) + "\n")
+        assert '"reward/score/mean":0.875' in get(server.url)[1]
     finally:
         server.shutdown()
         server.server_close()

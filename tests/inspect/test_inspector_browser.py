@@ -111,7 +111,7 @@ def test_page_of_a_grpo_run_shows_curves_tokens_colours_filters(browser, grpo_ru
     assert "grpo" in tab.inner_text("header h1")
     # the reward chart: one point per logged value of its keys
     rows = read_jsonl_metrics(grpo_run / "metrics.jsonl")
-    logged = sum(isinstance(r.get(k), float) for r in rows for k in ("critic/score/mean", "val/reward_mean"))
+    logged = sum(isinstance(r.get(k), float) for r in rows for k in ("reward/score/mean", "val/reward_mean"))
     assert tab.locator('.chart[data-chart="Reward"] circle').count() == logged == 5
     assert tab.locator('.chart[data-chart="KL"] path').count() >= 1
     # the sample's own trainer-vs-sampler curves (mean and max |diff|), one point per sampled step

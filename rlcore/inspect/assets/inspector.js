@@ -7,7 +7,7 @@
   const PALETTE = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#1b7c83", "#bf3989", "#6e7781"];
   // Each chart: a title and which metrics it draws (whatever of them the run logged).
   const CHARTS = [
-    ["Reward", (k) => ["critic/score/mean", "val/reward_mean", "episode/reward_mean"].includes(k)],
+    ["Reward", (k) => ["reward/score/mean", "critic/score/mean", "val/reward_mean", "episode/reward_mean"].includes(k)],  // critic/: runs before 2026-12-05
     ["Response length", (k) => ["response_length/mean", "response_length/max"].includes(k)],
     ["KL", (k) => /^actor\/.*kl/.test(k) && !/coeff/.test(k)],
     ["Trainer vs sampler (check/*, IS weights, sample)", (k) => /^(check\/|actor\/is\/|sample\/logprob)/.test(k)],
