@@ -191,6 +191,7 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
         raise ValueError(f"roles must include 'actor' (or 'rm', to train a reward model) and come from {ROLES}, "
                          f"got {list(roles)}")
     preflight(cfg)  # every path, file and folder the run names, before any process or engine starts
+    exit_during_startup()  # SIGTERM now: exit 143 with a message (the run's loop takes over once it starts)
     config = _worker_config(cfg)
     # A LoRA actor is its own reference (adapters off, rlcore.workers.lora): no second copy of the weights.
     lora_ref = ("ref" in roles and "ref" not in (classes or {})
