@@ -58,7 +58,7 @@ def preflight(cfg: DictConfig) -> None:
             problems.append(type(exc)(f"{what}: {exc}") if _retypable(exc) else exc)
             return None
 
-    if "model" in cfg and cfg.model.path is not None:
+    if OmegaConf.select(cfg, "model.path") is not None:
         check("model.path", ModelConfig(path=cfg.model.path).require_local_dir)
     rows = _data_rows(cfg, check) if "data" in cfg else []
     if "reward" in cfg:
@@ -66,7 +66,7 @@ def preflight(cfg: DictConfig) -> None:
     if "trainer" in cfg:
         check("trainer.resume", lambda: resolve_resume(cfg.trainer.resume, run_dir(cfg) / "checkpoints"))
         check("run folder", lambda: check_run_folder(run_dir(cfg), cfg.trainer.resume, cfg.trainer.overwrite))
-    if "agent" in cfg:
+    if OmegaConf.select(cfg, "agent.path") is not None:
         check("agent.path", lambda: load_agent(cfg.agent.path))
     if len(problems) == 1:
         raise problems[0]
@@ -86,7 +86,7 @@ def _data_rows(cfg: DictConfig, check: Callable) -> list[dict]:
     d = cfg.data
     rows = []
     for key in ("train_files", "val_files"):
-        files = d[key]
+        files = d.get(key)
         if files is None:
             continue
         for path in [files] if isinstance(files, str) else list(files):
@@ -114,12 +114,12 @@ def _check_columns(cfg: DictConfig, row: dict, path: str) -> None:
 
 def _check_reward(cfg: DictConfig, rows: list[dict], check: Callable) -> None:
     r = cfg.reward
-    if r.reward_fn is not None:
+    if r.get("reward_fn") is not None:
         check("reward.reward_fn", lambda: get_reward_fn(r.reward_fn))
-    by_source = OmegaConf.to_container(r.reward_fn_by_source) if r.reward_fn_by_source else {}
+    by_source = OmegaConf.to_container(r.reward_fn_by_source) if r.get("reward_fn_by_source") else {}
     for source, name in by_source.items():
         check(f"reward.reward_fn_by_source.{source}", lambda n=name: get_reward_fn(n))
-    if r.reward_fn is None:
+    if r.get("reward_fn") is None:
         for row in rows:
             source = row.get("data_source")
             if source is not None and source not in by_source and reward_fn_for_source(str(source)) is None:
