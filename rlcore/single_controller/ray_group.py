@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -9,8 +10,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlcore.single_controller.inflight import InFlightCall, signal_stacks
 from rlcore.single_controller.resource_pool import RayResourcePool
-from rlcore.single_controller.worker import WorkerHost, one_machine_rendezvous
+from rlcore.single_controller.worker import WorkerHost, node_ip, one_machine_rendezvous
 from rlcore.single_controller.worker_group import (
     ClassWithInitArgs,
     ColocatedClasses,
@@ -128,12 +130,41 @@ class RayWorkerGroup(WorkerGroup):
     def _busy_seconds(self) -> list[float]:
         return self._get([h.busy_seconds.remote() for h in self.hosts], "busy_seconds", 60)
 
+    def _pending_ranks(self, call: InFlightCall) -> list[int]:
+        if not call.handles:
+            return list(call.ranks)
+        ready, _ = ray.wait(list(call.handles), num_returns=len(call.handles), timeout=0, fetch_local=False)
+        done = set(ready)
+        return [rank for rank, ref in zip(call.ranks, call.handles) if ref not in done]
+
+    def _dump_stacks(self, ranks: list[int], timeout_s: float) -> dict[int, str]:
+        """SIGUSR1 to each rank's process on this machine, whose faulthandler writes its stacks to a file."""
+        here, targets, out = node_ip(), {}, {}
+        for rank in ranks:
+            info = self.worker_info[rank]
+            if not info.get("stack_file"):
+                out[rank] = f"(rank {rank}, pid {info['pid']}: no stack dump registered in its process)\n"
+            elif info["node_ip"] != here:
+                out[rank] = (f"(rank {rank} runs on {info['node_ip']}, not on the driver's machine: there, "
+                             f"`kill -USR1 {info['pid']}` appends its stacks to {info['stack_file']})\n")
+            else:
+                targets[rank] = (info["pid"], info["stack_file"])
+        out.update(signal_stacks(targets, timeout_s))
+        return dict(sorted(out.items()))
+
     def shutdown(self) -> None:
         """Kill this group's actors (the resource pool stays, so another group can use it)."""
         for host in self.hosts:
             ray.kill(host, no_restart=True)
         self.hosts = []
         self.resource_pool.release(id(self))
+        here = node_ip()
+        for info in self.worker_info:  # the files their stacks were dumped into
+            if info.get("stack_file") and info["node_ip"] == here:
+                try:
+                    os.unlink(info["stack_file"])
+                except OSError:
+                    pass
 
 
 class RankHandle:
