@@ -24,6 +24,7 @@ from rlcore.single_controller.worker_group import (
 
 _RemoteHost = ray.remote(WorkerHost)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its traceback headers
+WAIT_SLICE_S = 0.2  # the driver waits on ranks in slices this long (RayWorkerGroup._wait)
 
 
 def plain_text(error: BaseException | str) -> str:
@@ -109,9 +110,13 @@ class RayWorkerGroup(WorkerGroup):
         results: dict[int, object] = {}
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
+            # In slices: ray.wait does not return for a signal, and the driver's handlers (Ctrl-C, the stall
+            # watchdog's on_stall=fail) run only when Python gets control back.
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(WAIT_SLICE_S, remaining or WAIT_SLICE_S))
             if not ready:
-                raise WorkerTimeoutError(method, sorted(pending.values()), timeout)
+                if remaining is not None and time.monotonic() >= deadline:
+                    raise WorkerTimeoutError(method, sorted(pending.values()), timeout)
+                continue
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
