@@ -274,6 +274,7 @@ class AgenticConfig:
     partial_rollout: bool = False  # weight updates land mid-response (tokens stamped per version); false: between responses
     bucket_mb: float = 256.0  # weight-sync bucket size (MiB): the extra memory an engine needs for an update
     pop_timeout_s: float = 600.0  # the trainer waits this long for groups, then fails
+    drop_failed_groups: bool = False  # a group whose episode raised: false fails the run naming it; true drops it (counted)
 
     def __post_init__(self) -> None:
         if self.num_engines < 1 or self.num_runners < 1:
