@@ -172,15 +172,22 @@ class Watchdog:
                  for _, call in calls]
         suffix = "" if phase.reports == 1 else f"_{phase.reports}"
         path = self.stall_dir / f"step_{phase.step}_{phase.name}{suffix}.txt"
-        what = "; ".join(stuck) if stuck else "no worker-group call in flight (the driver itself is busy: see its stack)"
+        probed = {}
+        for name, probe in self._probes.items():
+            try:
+                probed[name] = list(probe())
+            except Exception as exc:  # noqa: BLE001 - a probe's failure is part of the report
+                probed[name] = [f"the probe failed: {exc!r}"]
+        what = "; ".join(stuck) if stuck else "no worker-group call in flight"
+        # The probes' first lines (e.g. the rollout pool: how many groups, the oldest) belong in the one line too.
+        what += "".join(f"; {name}: {' / '.join(lines[:2])}" for name, lines in probed.items() if lines)
+        if not stuck and not probed:
+            what += " (the driver itself is busy: see its stack)"
         line = (f"STALL: phase '{phase.name}' of step {phase.step} has run {elapsed:.1f}s (deadline "
                 f"{phase.deadline_s:g}s): {what}; stacks in {path}")
         sections = [line, ""]
-        for name, probe in self._probes.items():
-            try:
-                sections += [f"== {name}", *probe(), ""]
-            except Exception as exc:  # noqa: BLE001 - a probe's failure is part of the report
-                sections += [f"== {name}: the probe failed: {exc!r}", ""]
+        for name, lines in probed.items():
+            sections += [f"== {name}", *lines, ""]
         dumped = set()
         for group, call in calls:
             ranks = [r for r in call.pending if (id(group), r) not in dumped]
