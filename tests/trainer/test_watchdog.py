@@ -44,7 +44,7 @@ def test_warn_logs_who_is_stuck_writes_stacks_and_keeps_waiting(tmp_path, local_
     finally:
         dog.close()
     lines = [r.getMessage() for r in caplog.records if "STALL" in r.getMessage()]
-    assert len(lines) == len(dog.reports) == 2, lines  # at the deadline (0.3 s), again at twice it (0.6 s)
+    assert len(lines) == len(dog.reports) >= 2, lines  # at the deadline (0.3 s), again at twice it (0.6 s)
     assert "phase 'gen' of step 12" in lines[0] and "group Sleeper rank 0 in sleep_past_the_deadline" in lines[0]
     first, second = (tmp_path / "stalls" / name for name in ("step_12_gen.txt", "step_12_gen_2.txt"))
     assert str(first) in lines[0] and second.exists()
