@@ -142,12 +142,15 @@ def signal_stacks(targets: dict[int, tuple[int, str]], timeout_s: float = 2.0) -
         for rank, (_, path) in targets.items():
             if rank in out:
                 continue
-            size = os.path.getsize(path)
-            if size > sizes[rank] and last.get(rank) == size:  # grew, and stopped growing
-                with open(path, errors="replace") as f:
-                    f.seek(sizes[rank])
-                    out[rank] = f.read()
-            last[rank] = size
+            try:
+                size = os.path.getsize(path)
+                if size > sizes[rank] and last.get(rank) == size:  # grew, and stopped growing
+                    with open(path, errors="replace") as f:
+                        f.seek(sizes[rank])
+                        out[rank] = f.read()
+                last[rank] = size
+            except OSError as exc:
+                out[rank] = f"(could not read the stacks of pid {targets[rank][0]} from {path}: {exc})\n"
     for rank, (pid, _) in targets.items():
         out.setdefault(rank, f"(pid {pid} wrote no stacks within {timeout_s:g}s)\n")
     return out
