@@ -132,7 +132,7 @@ def test_config_defaults_and_checks():
 
 
 @pytest.mark.slow
-def test_ray_group_fail_names_the_rank_and_its_process_stack(tmp_path, ray_cluster):
+def test_ray_group_fail_names_the_rank_and_its_process_stack(tmp_path, ray_cluster, caplog):
     from rlcore.single_controller import RayResourcePool, RayWorkerGroup
 
     pool = RayResourcePool([2], num_cpus_per_process=0.25, name_prefix="watchdog")
@@ -142,7 +142,7 @@ def test_ray_group_fail_names_the_rank_and_its_process_stack(tmp_path, ray_clust
     try:
         assert group.quick() == [0, 1]
         start = time.monotonic()
-        with pytest.raises(StallError) as err:
+        with pytest.raises(StallError) as err, caplog.at_level(logging.WARNING, logger="rlcore.trainer.watchdog"):
             with dog.phase("gen"):
                 group.sleep_past_the_deadline(60.0, only_rank=1)  # the driver blocks in ray.wait
         elapsed = time.monotonic() - start
@@ -153,6 +153,8 @@ def test_ray_group_fail_names_the_rank_and_its_process_stack(tmp_path, ray_clust
     assert 1.0 <= elapsed < 1.0 + SLACK_S, elapsed
     message = str(err.value)
     assert "phase 'gen' of step 5" in message and "group Sleeper rank 1 in sleep_past_the_deadline" in message, message
+    [line] = [r.getMessage() for r in caplog.records if "STALL" in r.getMessage()]
+    assert "phase 'gen' of step 5" in line and "group Sleeper rank 1 in sleep_past_the_deadline" in line, line
     text = (tmp_path / "step_5_gen.txt").read_text()
     rank_section = text.split("== group Sleeper rank 1")[1].split("== the driver thread")[0]
     assert "sleep_past_the_deadline" in rank_section and "most recent call first" in rank_section, text
