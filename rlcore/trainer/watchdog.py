@@ -5,7 +5,8 @@ function in an endless loop) otherwise sits silent until someone notices hours l
 nobody knows which worker it was waiting for. Every ``with run.timer("gen")`` stage of a recipe
 (and each training step as a whole, ``"step"``) is a phase with a deadline
 (``trainer.watchdog``). One background thread sleeps until the earliest deadline of the phases
-running now; a phase that ends before its deadline costs two lock round-trips and no wake-up.
+running now; a phase that ends before its deadline costs two lock round-trips (and a notify when
+its deadline comes before the one the thread sleeps toward): no thread is made per phase.
 
 When a phase runs late the watchdog
 - logs one line naming the phase and step and, for every worker-group call still in flight, the
