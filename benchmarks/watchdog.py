@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -81,9 +82,21 @@ def phase_cost(n: int, repeats: int) -> dict[str, float]:
 
     try:
         off, on = per_item_us(loop(bare), n, repeats), per_item_us(loop(watched), n, repeats)
+        thread_cpu = thread_cpu_s(dog._thread)
     finally:
         dog.close()
-    return {"phase_bare_us": off, "phase_watched_us": on, "phase_overhead_us": on - off}
+    return {"phase_bare_us": off, "phase_watched_us": on, "phase_overhead_us": on - off,
+            "watchdog_thread_cpu_s": thread_cpu, "phases_timed": n * (repeats + 0.1)}
+
+
+def thread_cpu_s(thread) -> float:
+    """User + system CPU seconds of ``thread`` so far (Linux's /proc; NaN elsewhere)."""
+    try:
+        with open(f"/proc/{os.getpid()}/task/{thread.native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, AttributeError, IndexError, ValueError):
+        return float("nan")
 
 
 def call_cost(n: int, repeats: int) -> dict[str, float]:
@@ -162,7 +175,8 @@ def main() -> None:
     res.update({"predicted_overhead_us": predicted, "predicted_share": predicted * 1e-6 / res["step_off_s"],
                 "measured_on_over_off": res["step_on_s"] / res["step_off_s"]})
     print(f"timed stage: {res['phase_bare_us']:.2f} us bare, {res['phase_watched_us']:.2f} us watched "
-          f"(+{res['phase_overhead_us']:.2f} us)")
+          f"(+{res['phase_overhead_us']:.2f} us); the watchdog's thread used {res['watchdog_thread_cpu_s']:.3f} s of CPU "
+          f"over {res['phases_timed']:.0f} stages")
     print(f"group call (in-process no-op): {res['call_unrecorded_us']:.2f} us unrecorded, "
           f"{res['call_recorded_us']:.2f} us recorded (+{res['call_overhead_us']:.2f} us)")
     print(f"GRPO step (local, tiny model, {res['stages_per_step']} timed stages, {res['calls_per_step']} group calls), "
