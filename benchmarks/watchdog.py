@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -68,7 +69,7 @@ def per_item_us(fn, n: int, repeats: int) -> float:
 
 def phase_cost(n: int, repeats: int) -> dict[str, float]:
     bare = Timer()
-    dog = Watchdog({}, Path(tempfile.mkdtemp(prefix="rlcore_watchdog_")))  # the shipped default deadline
+    dog = Watchdog({}, Path(tempfile.gettempdir()) / "rlcore_watchdog_never_written")  # shipped deadlines: no stall
     watched = Timer(watch=(dog.begin, dog.end))
 
     names = ["gen", "reward", "adv", "update_actor"]  # a step's stages in turn: each with its own deadline
@@ -163,11 +164,14 @@ def main() -> None:
     n, repeats = (2000, 3) if args.quick else (20000, 7)
     res = {**phase_cost(n, repeats), **call_cost(n // 4, repeats)}
     out = Path(tempfile.mkdtemp(prefix="rlcore_watchdog_bench_"))
-    model = str(build_tiny_model(out / "model", hidden_size=32, num_heads=2, num_kv_heads=1))  # the fastest step
     on, off = [], []
-    for parity in (0,) if args.quick else (0, 1):
-        on_s, off_s, stages, calls = grpo_steps(model, out, 5 if args.quick else max(args.steps, 5), parity)
-        on, off = on + on_s, off + off_s
+    try:
+        model = str(build_tiny_model(out / "model", hidden_size=32, num_heads=2, num_kv_heads=1))  # the fastest step
+        for parity in (0,) if args.quick else (0, 1):
+            on_s, off_s, stages, calls = grpo_steps(model, out, 5 if args.quick else max(args.steps, 5), parity)
+            on, off = on + on_s, off + off_s
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
     res.update({"step_on_s": statistics.median(on), "step_off_s": statistics.median(off), "stages_per_step": stages,
                 "calls_per_step": calls, "steps_each": min(len(on), len(off))})
     predicted = (res["stages_per_step"] * max(res["phase_overhead_us"], 0.0)
