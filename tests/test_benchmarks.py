@@ -21,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
                             "vllm-fp32-loader_sync_over_copy"}),
     ("benchmarks.step", {"stages", "fixed_s", "fixed_total_s", "wall_s", "worker_compute_s", "peak_rss_bytes"}),
     ("benchmarks.grpo_vs_trl", {"cpu", "step_s", "trl_over_rlcore", "results"}),
+    ("benchmarks.watchdog", {"phase_watched_us", "call_recorded_us", "step_on_s", "step_off_s", "predicted_share"}),
 ])
 def test_quick_mode_runs_and_writes_its_json(module, keys, tmp_path):
     out = tmp_path / "result.json"

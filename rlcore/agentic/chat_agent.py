@@ -45,6 +45,7 @@ from transformers import AutoTokenizer
 
 from rlcore.agentic.async_router import AsyncSessionRouter
 from rlcore.agentic.chat_proxy import ChatProxy, ChatProxyConfig, session_trajectories
+from rlcore.agentic.drops import FinishedEpisodes
 from rlcore.agentic.env import Result
 from rlcore.agentic.episode import Trajectory
 from rlcore.engines.async_base import AsyncEngine
@@ -172,6 +173,7 @@ class ChatAgentRunner:
         self.http_client: Any = None  # made on the actor's loop, with the proxy
         self.threads: concurrent.futures.ThreadPoolExecutor | None = None  # for synchronous agents, made on use
         self.episodes_done = 0
+        self.finished = FinishedEpisodes()
 
     async def url(self) -> str:
         """The proxy's root URL, started on first use on the running loop (the actor's)."""
@@ -261,10 +263,14 @@ class ChatAgentRunner:
     async def run_group(self, group_id: Any, task: Mapping[str, Any], size: int) -> list[Trajectory]:
         """The ``size`` episodes of one task, concurrently, each its own session; their segments."""
         tag = uuid.uuid4().hex[:6]
-        episodes = await asyncio.gather(*[
+        episodes = await self.finished.gather(group_id, [
             self.play(task, f"r{self.runner_id}-g{group_id}-e{i}-{tag}", episode=f"{group_id}/{i}")
-            for i in range(size)])
+            for i in range(size)], lambda segments: segments[0].reward)
         return [t for segments in episodes for t in segments]
+
+    async def finished_rewards(self, group_ids: Sequence[Any]) -> dict[Any, list[float]]:
+        """The rewards of the finished episodes of groups still being played (or failed)."""
+        return self.finished.pop(group_ids)
 
     def stats(self) -> dict[str, float]:
         return {"episodes_done": float(self.episodes_done), "retries": float(self.router.retries),

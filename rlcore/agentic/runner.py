@@ -23,6 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from rlcore.agentic.async_router import AsyncSessionRouter
+from rlcore.agentic.drops import FinishedEpisodes
 from rlcore.agentic.env import make_env
 from rlcore.agentic.episode import Trajectory, play_episode
 from rlcore.engines.async_base import AsyncEngine
@@ -51,6 +52,7 @@ class EpisodeRunner:
         self.tokenizer = AutoTokenizer.from_pretrained(spec.tokenizer_path)
         self.router = AsyncSessionRouter(engines, max_retries=max_retries)
         self.episodes_done = 0
+        self.finished = FinishedEpisodes()
 
     async def play(self, task: Mapping[str, Any], session_id: Any) -> Trajectory:
         """One episode of ``task`` (its ``seed`` key, if any, seeds the env) as session ``session_id``."""
@@ -68,11 +70,17 @@ class EpisodeRunner:
         """The ``size`` episodes of one task, concurrently; each gets its own session and env seed."""
         start = time.perf_counter()
         base_seed = int(task.get("seed", 0)) if isinstance(task.get("seed", 0), int) else 0
-        trajs = await asyncio.gather(*[
-            self.play({**task, "seed": base_seed * size + i}, (self.runner_id, group_id, i)) for i in range(size)])
+        trajs = await self.finished.gather(group_id, [
+            self.play({**task, "seed": base_seed * size + i}, (self.runner_id, group_id, i)) for i in range(size)],
+            lambda t: t.reward)
         for t in trajs:
             t.metrics["episode/group_s"] = time.perf_counter() - start
-        return list(trajs)
+        return trajs
+
+    async def finished_rewards(self, group_ids: Sequence[Any]) -> dict[Any, list[float]]:
+        """The rewards of the finished episodes of groups still being played (or failed): what the pool
+        reports of a group it drops."""
+        return self.finished.pop(group_ids)
 
     def stats(self) -> dict[str, float]:
         return {"episodes_done": float(self.episodes_done), "retries": float(self.router.retries),

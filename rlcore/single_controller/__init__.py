@@ -19,6 +19,7 @@ from rlcore.single_controller.decorator import (
     register,
     verl_dispatch_mode,
 )
+from rlcore.single_controller.inflight import InFlightCall, in_flight_calls
 from rlcore.single_controller.local import LocalWorkerGroup
 from rlcore.single_controller.worker import Worker
 from rlcore.single_controller.worker_group import (
@@ -49,7 +50,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "CallContext", "ClassWithInitArgs", "ColocatedClasses", "Dispatch", "DispatchMode", "Execute", "GroupFuture",
-    "LocalWorkerGroup", "RankHandle", "RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup", "ResourceError",
+    "InFlightCall", "LocalWorkerGroup", "RankHandle", "RayClassWithInitArgs", "RayResourcePool", "RayWorkerGroup", "ResourceError",
     "Worker", "WorkerDiedError", "WorkerError", "WorkerGroup", "WorkerTimeoutError", "create_colocated_worker_cls",
-    "mesh_dispatch", "register", "verl_dispatch_mode",
+    "in_flight_calls", "mesh_dispatch", "register", "verl_dispatch_mode",
 ]

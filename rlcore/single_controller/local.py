@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import traceback
 
+from rlcore.single_controller.inflight import InFlightCall, thread_stacks
 from rlcore.single_controller.worker import WorkerHost, free_port, one_machine_rendezvous
 from rlcore.single_controller.worker_group import ClassWithInitArgs, ColocatedClasses, WorkerError, WorkerGroup
 
@@ -71,6 +72,17 @@ class LocalWorkerGroup(WorkerGroup):
 
     def _busy_seconds(self) -> list[float]:
         return [host.busy_seconds() for host in self.hosts]
+
+    def _pending_ranks(self, call: InFlightCall) -> list[int]:
+        return [rank for rank in call.ranks if rank < len(self.hosts) and self.hosts[rank].running]
+
+    def _dump_stacks(self, ranks: list[int], timeout_s: float) -> dict[int, str]:
+        """The stacks of the driver threads running each rank's methods (the ranks live in this process)."""
+        out = {}
+        for rank in ranks:
+            threads = {entry[3] for entry in list(self.hosts[rank].running.values())} if rank < len(self.hosts) else set()
+            out[rank] = thread_stacks(threads) if threads else f"(rank {rank} is not inside a worker method)\n"
+        return out
 
     def shutdown(self) -> None:
         self.hosts = []

@@ -9,6 +9,7 @@ methods are made on attribute access), so dropping the last reference releases i
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -18,8 +19,9 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlcore.single_controller.inflight import InFlightCall, signal_stacks
 from rlcore.single_controller.resource_pool import RayResourcePool
-from rlcore.single_controller.worker import WorkerHost, one_machine_rendezvous
+from rlcore.single_controller.worker import WorkerHost, node_ip, one_machine_rendezvous
 from rlcore.single_controller.worker_group import (
     ClassWithInitArgs,
     ColocatedClasses,
@@ -31,6 +33,7 @@ from rlcore.single_controller.worker_group import (
 
 _RemoteHost = ray.remote(WorkerHost)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its traceback headers
+WAIT_SLICE_S = 0.2  # the driver waits on ranks in slices this long (RayWorkerGroup._wait)
 
 
 def plain_text(error: BaseException | str) -> str:
@@ -78,9 +81,10 @@ class RayWorkerGroup(WorkerGroup):
         # a pool that cannot be placed names the groups holding the cluster (resource_pool.describe_holders).
         self.group_name = f"{name_prefix}_{'+'.join(self._roles)}_{resource_pool.tag}_{uuid.uuid4().hex[:8]}"
         resource_pool.claim(self.group_name, resources)
-        self.hosts = []
+        self.hosts: list = []
+        self.worker_info: list[dict] = []  # per rank: pid, node, stack file (filled by _start)
         # Runs once: at shutdown(), or when the group is garbage-collected. It holds what it releases, not the group.
-        self._finalizer = weakref.finalize(self, _release, self.hosts, resource_pool, self.group_name)
+        self._finalizer = weakref.finalize(self, _release, self.hosts, self.worker_info, resource_pool, self.group_name)
         self._finalizer.atexit = False  # at interpreter exit the driver's job ends, and Ray frees everything
         try:
             self._start(resource_pool, resources, extra_options, env_vars, init_timeout)
@@ -117,7 +121,7 @@ class RayWorkerGroup(WorkerGroup):
                 "MASTER_PORT": str(master_port),
             }
             build_refs.append(self.hosts[rank].build.remote(env, roles))
-        self.worker_info = self._get(build_refs, "__init__", init_timeout)
+        self.worker_info[:] = self._get(build_refs, "__init__", init_timeout)
 
     @property
     def workers(self) -> list["RankHandle"]:
@@ -139,9 +143,13 @@ class RayWorkerGroup(WorkerGroup):
         results: dict[int, object] = {}
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
+            # In slices: ray.wait does not return for a signal, and the driver's handlers (Ctrl-C, the stall
+            # watchdog's on_stall=fail) run only when Python gets control back.
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(WAIT_SLICE_S, remaining or WAIT_SLICE_S))
             if not ready:
-                raise WorkerTimeoutError(method, sorted(pending.values()), timeout)
+                if remaining is not None and time.monotonic() >= deadline:
+                    raise WorkerTimeoutError(method, sorted(pending.values()), timeout)
+                continue
             for ref in ready:
                 rank = pending.pop(ref)
                 try:
@@ -160,6 +168,28 @@ class RayWorkerGroup(WorkerGroup):
     def _busy_seconds(self) -> list[float]:
         return self._get([h.busy_seconds.remote() for h in self.hosts], "busy_seconds", 60)
 
+    def _pending_ranks(self, call: InFlightCall) -> list[int]:
+        if not call.handles:
+            return list(call.ranks)
+        ready, _ = ray.wait(list(call.handles), num_returns=len(call.handles), timeout=0, fetch_local=False)
+        done = set(ready)
+        return [rank for rank, ref in zip(call.ranks, call.handles) if ref not in done]
+
+    def _dump_stacks(self, ranks: list[int], timeout_s: float) -> dict[int, str]:
+        """SIGUSR1 to each rank's process on this machine, whose faulthandler writes its stacks to a file."""
+        here, targets, out = node_ip(), {}, {}
+        for rank in ranks:
+            info = self.worker_info[rank]
+            if not info.get("stack_file"):
+                out[rank] = f"(rank {rank}, pid {info['pid']}: no stack dump registered in its process)\n"
+            elif info["node_ip"] != here:
+                out[rank] = (f"(rank {rank} runs on {info['node_ip']}, not on the driver's machine: there, "
+                             f"`kill -USR1 {info['pid']}` appends its stacks to {info['stack_file']})\n")
+            else:
+                targets[rank] = (info["pid"], info["stack_file"])
+        out.update(signal_stacks(targets, timeout_s))
+        return dict(sorted(out.items()))
+
     def shutdown(self) -> None:
         """Kill this group's actors and leave the pool (the last group to leave removes its placement
         groups; the pool places them again for the next group). Idempotent; views from ``spawn`` share
@@ -172,8 +202,9 @@ class RayWorkerGroup(WorkerGroup):
         return self._finalizer.alive
 
 
-def _release(hosts: list, pool: RayResourcePool, name: str) -> None:
-    """Kill a group's actors and take it off its pool. The group's finalizer: it must not refer to the group."""
+def _release(hosts: list, worker_info: list[dict], pool: RayResourcePool, name: str) -> None:
+    """Kill a group's actors, remove the files their stacks were dumped into, and take the group off its
+    pool. The group's finalizer: it must not refer to the group."""
     if ray.is_initialized():
         for host in hosts:
             try:
@@ -181,6 +212,14 @@ def _release(hosts: list, pool: RayResourcePool, name: str) -> None:
             except Exception:  # noqa: BLE001 - already dead, or Ray restarted since
                 pass
     hosts.clear()
+    here = node_ip()
+    for info in worker_info:
+        if info.get("stack_file") and info.get("node_ip") == here:
+            try:
+                os.unlink(info["stack_file"])
+            except OSError:
+                pass
+    worker_info.clear()
     pool.release(name)
 
 

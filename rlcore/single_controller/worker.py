@@ -8,9 +8,11 @@ worker is constructed. The same class therefore runs in-process (world size 1) o
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.protocol import DataProto
+from rlcore.single_controller.inflight import register_stack_dump
 
 
 class Worker:
@@ -167,27 +170,39 @@ class WorkerHost:
     def __init__(self) -> None:
         self.workers: dict[str, Any] = {}
         self.busy_s = 0.0  # seconds inside worker methods (``WorkerGroup.busy_seconds``)
+        self.running: dict[int, tuple[str, str, float, int]] = {}  # calls now inside a worker method (below)
+        self._stack_out = None  # the file this process's stacks are dumped into (``inflight``)
+        self._keys = itertools.count()
 
     def master_address(self) -> tuple[str, int]:
         return node_ip(), free_port()
 
     def build(self, env: dict[str, str], classes: dict[str, tuple[type, tuple, dict]]) -> dict:
         os.environ.update(env)
+        stack_file = None
+        if env.get("RLCORE_IN_PROCESS") != "1":  # a process of its own: dump its stacks when signalled
+            fd, stack_file = tempfile.mkstemp(prefix=f"rlcore-stacks-rank{env['RANK']}-", suffix=".txt")
+            os.close(fd)
+            self._stack_out = register_stack_dump(stack_file)
         for role, (cls, args, kwargs) in classes.items():
             self.workers[role] = cls(*args, **kwargs)
         for worker in self.workers.values():
             if isinstance(worker, Worker):
                 worker.colocated_workers = self.workers
-        return {"rank": int(env["RANK"]), "pid": os.getpid(), "node_ip": node_ip(), "node_id": _node_id()}
+        return {"rank": int(env["RANK"]), "pid": os.getpid(), "node_ip": node_ip(), "node_id": _node_id(),
+                "stack_file": stack_file}
 
     def execute(self, role: str, method: str, /, *args, **kwargs) -> Any:
         args = tuple(a.resolve() if isinstance(a, RemoteChunk) else a for a in args)
         kwargs = {k: v.resolve() if isinstance(v, RemoteChunk) else v for k, v in kwargs.items()}
         start = time.perf_counter()
+        key = next(self._keys)
+        self.running[key] = (role, method, time.monotonic(), threading.get_ident())
         try:
             return getattr(self.workers[role], method)(*args, **kwargs)
         finally:
             self.busy_s += time.perf_counter() - start
+            self.running.pop(key, None)
 
     def busy_seconds(self) -> float:
         return self.busy_s

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlcore.single_controller.decorator import REGISTER_ATTR, CallContext, Deferred, Execute, split_for_ranks
+from rlcore.single_controller.inflight import CallTracker, InFlightCall
 from rlcore.single_controller.worker import RemoteChunk
 
 DEFAULT_ROLE = "default"
@@ -93,16 +94,29 @@ class GroupFuture(Deferred):
     """Result of a non-blocking group call. ``get()`` waits; passing it to another group's DP method
     hands the per-rank results over without pulling them through the driver where Ray allows it."""
 
-    def __init__(self, group: "WorkerGroup", handles: list, ranks: list[int], ctx: CallContext, spec: MethodSpec, timeout):
+    def __init__(self, group: "WorkerGroup", handles: list, ranks: list[int], ctx: CallContext, spec: MethodSpec, timeout,
+                 tracked: int | None = None):
         self.group, self.handles, self.ranks, self.ctx, self.spec, self.timeout = group, handles, ranks, ctx, spec, timeout
         self._done, self._value = False, None
+        self._tracked = tracked  # its key in the group's in-flight calls, until collected (or dropped)
 
     def get(self, timeout: float | None | str = "default") -> Any:
         if not self._done:
             timeout = self.timeout if timeout == "default" else timeout
-            outputs = self.group._wait(self.handles, self.ranks, self.spec.public_name, timeout)
-            self._value, self._done = self.spec.mode.collect_fn(self.ctx, outputs), True
+            try:
+                outputs = self.group._wait(self.handles, self.ranks, self.spec.public_name, timeout)
+                self._value, self._done = self.spec.mode.collect_fn(self.ctx, outputs), True
+            finally:
+                self._untrack()
         return self._value
+
+    def _untrack(self) -> None:
+        if self._tracked is not None:
+            self.group._tracker.end(self._tracked)
+            self._tracked = None
+
+    def __del__(self) -> None:  # a future nobody waits for is no longer "in flight" for the driver
+        self._untrack()
 
     @property
     def single_result_ref(self):
@@ -156,9 +170,16 @@ class GroupMethod:
             group.last_balance = ctx.scratch["balance"]
         if spec.execute is Execute.RANK_ZERO:
             calls = calls[:1]
-        handles = group._submit(spec.role, spec.name, calls)
+        ranks = list(range(len(calls)))
+        tracked = group._tracker.begin(group.name, spec.public_name, ranks)  # what a watchdog asks about
+        try:
+            handles = group._submit(spec.role, spec.name, calls)
+        except BaseException:
+            group._tracker.end(tracked)
+            raise
+        group._tracker.attach(tracked, handles)
         timeout = group.default_timeout if self._timeout == "default" else self._timeout
-        future = GroupFuture(group, handles, list(range(len(calls))), ctx, spec, timeout)
+        future = GroupFuture(group, handles, ranks, ctx, spec, timeout, tracked)
         blocking = spec.blocking if self._blocking is None else self._blocking
         return future.get() if blocking else future
 
@@ -190,10 +211,31 @@ class WorkerGroup:
         self._mesh_cache: dict[tuple[str, str], dict] = {}
         self._methods: dict[str, MethodSpec] = {}
         self.method_names: list[str] = []
+        self._tracker = CallTracker(self)  # shared with the per-role views (``spawn``)
 
     @property
     def world_size(self) -> int:
         return self._world_size
+
+    @property
+    def name(self) -> str:
+        """The group's name in reports: its role(s) (a per-role view: the role), else its worker class."""
+        if list(self._roles) == [DEFAULT_ROLE]:
+            return self._roles[DEFAULT_ROLE].cls.__name__
+        return "+".join(self._roles)
+
+    def in_flight(self) -> list[InFlightCall]:
+        """The calls this group (and its views) made that the driver has not collected, oldest first,
+        each with ``pending``: the ranks still running it (asked now, without waiting)."""
+        calls = sorted(self._tracker.calls(), key=lambda c: c.started)
+        for call in calls:
+            call.pending = self._pending_ranks(call)
+        return calls
+
+    def dump_stacks(self, ranks: list[int], timeout_s: float = 2.0) -> dict[int, str]:
+        """The Python stacks (every thread) of the processes of ``ranks``, as text per rank; what
+        cannot be had (a rank on another machine) says why (``rlcore.single_controller.inflight``)."""
+        return self._dump_stacks(list(ranks), timeout_s)
 
     def _bind_methods(self) -> None:
         """Resolve every registered method of the roles' classes once. The group keeps the specs, not
@@ -283,4 +325,10 @@ class WorkerGroup:
         raise NotImplementedError
 
     def _busy_seconds(self) -> list[float]:
+        raise NotImplementedError
+
+    def _pending_ranks(self, call: InFlightCall) -> list[int]:
+        return list(call.ranks)
+
+    def _dump_stacks(self, ranks: list[int], timeout_s: float) -> dict[int, str]:
         raise NotImplementedError

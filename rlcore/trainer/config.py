@@ -43,6 +43,34 @@ __all__ = ["ConfigError", "SECTIONS", "TRAINED_SECTIONS", "check_batch_split", "
            "register_schema", "rows_per_prompt", "to_plain", "to_worker_config"]
 
 
+STALL_ACTIONS = ("warn", "fail")
+# Seconds per phase (the recipes' run.timer stages, and "step": a whole step); each listed so that a
+# command line can set it without Hydra's "+". Other stages get trainer.watchdog.deadline_s.
+STAGE_DEADLINES = {
+    "step": 7200.0, "gen": 1800.0, "reward": 900.0, "old_log_prob": 1800.0, "ref": 1800.0, "values": 1800.0,
+    "adv": 600.0, "update_actor": 1800.0, "update_critic": 1800.0, "sync_weights": 600.0, "wait_rollout": 300.0,
+    "validate": 3600.0, "save_checkpoint": 3600.0}
+
+
+@dataclass
+class WatchdogConfig:
+    """The driver's stall watchdog (``rlcore.trainer.watchdog``, docs/stalls.md): a phase (a ``run.timer``
+    stage, or a whole ``step``) running past its deadline names the stuck group, rank and method and
+    writes their stacks to ``<run>/stalls/``."""
+
+    enable: bool = True
+    deadline_s: float = 1800.0  # any phase without a deadline of its own
+    deadlines: dict[str, float] = field(default_factory=lambda: dict(STAGE_DEADLINES))  # per phase; 0: not watched
+    on_stall: str = "warn"  # "warn": report and go on waiting; "fail": report and raise StallError in the driver
+
+    def __post_init__(self) -> None:
+        if self.on_stall not in STALL_ACTIONS:
+            raise ValueError(f"trainer.watchdog.on_stall must be one of {STALL_ACTIONS}, got {self.on_stall!r}")
+        bad = {k: v for k, v in {"deadline_s": self.deadline_s, **self.deadlines}.items() if v < 0}
+        if bad:
+            raise ValueError(f"trainer.watchdog deadlines must be >= 0 seconds (0: not watched), got {bad}")
+
+
 @dataclass
 class TrainerConfig:
     """How and where a run executes; shared by every recipe."""
@@ -71,6 +99,7 @@ class TrainerConfig:
     seed: int = 1  # driver RNG (python, numpy, torch), and each prompt batch's sampling seed (from seed, batch index)
     trajectory_groups: int = 2  # prompt groups of each step written to <run>/trajectories/ for rlcore.inspect; 0: off
     deterministic: bool = False  # torch's deterministic algorithms in driver and workers (+ cuBLAS / vLLM settings on GPU)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # stalled phases named, their stacks written
 
     def __post_init__(self) -> None:
         for key, allowed in (("backend", ("ray", "local")), ("device", ("cpu", "cuda", "auto"))):
@@ -253,6 +282,7 @@ class AgenticConfig:
     partial_rollout: bool = False  # weight updates land mid-response (tokens stamped per version); false: between responses
     bucket_mb: float = 256.0  # weight-sync bucket size (MiB): the extra memory an engine needs for an update
     pop_timeout_s: float = 600.0  # the trainer waits this long for groups, then fails
+    drop_failed_groups: bool = False  # a group whose episode raised: false fails the run naming it; true drops it (counted)
 
     def __post_init__(self) -> None:
         if self.num_engines < 1 or self.num_runners < 1:

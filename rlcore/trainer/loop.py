@@ -12,6 +12,7 @@ It owns the run folder ``<trainer.output_dir>/<trainer.project>/<trainer.run_nam
     config.yaml        the resolved config, model.path filled in: what ``python -m rlcore.trainer.export``
                        rebuilds a checkpoint's model from
     run.lock           held (``flock``) for the run's life; holds its pid
+    stalls/            step_N_<phase>.txt: what a phase past its watchdog deadline waited for, with stacks
 
 A folder is one run's. A second live run in it fails at once, naming the holder's pid (the lock
 goes with the process, however it ends). A folder holding an earlier run's records is refused too,
@@ -28,6 +29,8 @@ and does, around the recipe's own work:
 - validation before training, every ``trainer.val_freq`` steps and after the last step;
 - per-step timing (``timing_s/<stage>`` from ``with run.timer("stage")``), tokens per second, and a
   checkpoint every ``trainer.save_freq`` steps;
+- a watchdog (``trainer.watchdog``, ``rlcore.trainer.watchdog``): a stage or step running past its
+  deadline names the stuck worker group, rank and method and writes stacks to ``<run>/stalls/``;
 - with ``trainer.export_hf`` (default on), a HF model directory of the policy (the actor, a LoRA
   actor's adapters merged in; in a reward-model run, the reward model) in each checkpoint
   (``<ckpt>/hf``) and, after the last step, in the run folder (``<run>/hf``), which
@@ -75,6 +78,7 @@ from rlcore.trainer.stop_signal import RunStopped, StopSignals
 from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
 from rlcore.trainer.trajectories import TRAJECTORY_DIR, TrajectoryWriter
+from rlcore.trainer.watchdog import Watchdog
 
 CONSOLE_KEYS = (
     "reward/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
@@ -97,7 +101,8 @@ class TrainingRun:
         self.state = dict(state or {})
         self.dir = (Path(t.output_dir) / t.project / t.run_name).resolve()
         self.ckpt_dir = self.dir / "checkpoints"
-        self.timer = Timer()
+        self.watchdog = Watchdog(t.watchdog, self.dir / "stalls")  # every timed stage (and step) has a deadline
+        self.timer = Timer(watch=(self.watchdog.begin, self.watchdog.end))
         self.last_val: dict[str, float] = {}
         self._failed = False  # the run's block ended by an exception
         self._exported_at: int | None = None  # the step of the last checkpoint this run exported
@@ -109,6 +114,7 @@ class TrainingRun:
             raise
         self._teardown.callback(lock.close)  # released last
         self._teardown.callback(workers.shutdown)
+        self._teardown.callback(self.watchdog.close)
         try:
             self._start(t)
         except BaseException:
@@ -150,7 +156,10 @@ class TrainingRun:
             self._stop_if_asked(step - 1)
             self.timer.reset()
             self._step_start = time.perf_counter()
+            self.watchdog.step = step
+            watched = self.watchdog.begin("step")
             yield step
+            self.watchdog.end(watched)
         self.export_final()
 
     def next_prompts(self) -> DataProto:

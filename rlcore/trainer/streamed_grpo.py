@@ -15,6 +15,7 @@ Each step's rows are the trajectories of ``train_batch_size`` finished groups, `
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -71,8 +72,10 @@ def train_on_streamed_episodes(cfg: DictConfig, start_runners: StartRunners, des
         run.on_close(lambda: stop_runners(runners))
         workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
         pool = RolloutPool(runners, episode_tasks(run), cfg.rollout.n, a.groups_in_flight or groups,
-                           max_staleness=a.max_staleness, max_ready=a.max_ready).start()
-        run.on_close(pool.stop)
+                           max_staleness=a.max_staleness, max_ready=a.max_ready,
+                           drop_failed=a.drop_failed_groups).start()
+        run.on_close(lambda: close_pool(pool, run.dir))
+        run.watchdog.add_probe("rollout pool", pool.describe)  # a late wait_rollout says which groups it waits for
         _, engine_state = engine_idle_metrics(engines)
         for step in run.steps():
             with run.timer("wait_rollout"):
@@ -100,3 +103,10 @@ def train_on_streamed_episodes(cfg: DictConfig, start_runners: StartRunners, des
             idle, engine_state = engine_idle_metrics(engines, engine_state)
             run.end_step(step, {**metrics, **idle, **pool.metrics(), **batch_metrics(batch)}, batch)
     return run
+
+
+def close_pool(pool: RolloutPool, folder: Path) -> None:
+    """Stop the pool and say what it dropped, and why: printed, and ``<run>/drops.txt`` / ``drops.json``."""
+    pool.stop()
+    text, _ = pool.drops.write(folder)
+    print(f"{pool.drops.summary_text()}\n(written to {text} and drops.json)", flush=True)

@@ -14,9 +14,11 @@ from rlcore.trainer.loop import TrainingRun
 def episode_tasks(run: TrainingRun) -> Iterator[dict]:
     """Endless tasks ``{"prompt": the prompt as the policy sees it, "answer": ground truth}``, batch
     after batch; with a chat template also ``"messages"``, the prompt's messages before it (what a
-    chat agent sends)."""
+    chat agent sends); with the data's ``data_source`` column, ``"data_source"`` (what the rollout
+    pool's drop accounting groups by)."""
     while True:
         columns = run.next_prompts().non_tensor_batch
-        messages = columns.get("messages")
+        messages, sources = columns.get("messages"), columns.get("data_source")
         for i, (prompt, answer) in enumerate(zip(columns["raw_prompt"], columns["ground_truth"])):
-            yield {"prompt": prompt, "answer": answer, **({"messages": messages[i]} if messages is not None else {})}
+            yield {"prompt": prompt, "answer": answer, **({"messages": messages[i]} if messages is not None else {}),
+                   **({"data_source": str(sources[i])} if sources is not None else {})}

@@ -7,23 +7,30 @@ question when a run is slow, so drivers wrap each stage in `with timer("gen"):`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 
 
 class Timer:
-    """Collects named stage durations in seconds; a stage timed twice accumulates."""
+    """Collects named stage durations in seconds; a stage timed twice accumulates.
 
-    def __init__(self) -> None:
+    ``watch``: each stage also runs as a phase of a watchdog (``Watchdog.begin`` / ``end``), which
+    reports a stage that runs past its deadline (``rlcore.trainer.watchdog``)."""
+
+    def __init__(self, watch: tuple[Callable[[str], object], Callable[[object], None]] | None = None) -> None:
         self.durations: dict[str, float] = {}
+        self._watch = watch
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        watched = self._watch[0](name) if self._watch else None
         start = time.perf_counter()
         try:
             yield
         finally:
             self.durations[name] = self.durations.get(name, 0.0) + time.perf_counter() - start
+            if self._watch:
+                self._watch[1](watched)  # raises the watchdog's StallError (trainer.watchdog.on_stall=fail)
 
     def metrics(self, prefix: str = "timing_s/") -> dict[str, float]:
         return {f"{prefix}{name}": seconds for name, seconds in self.durations.items()}

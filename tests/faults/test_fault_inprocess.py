@@ -23,6 +23,7 @@ import recipes.grpo
 from rlcore.data.arithmetic import make_split, write_jsonl
 from rlcore.rewards import RewardError
 from rlcore.single_controller import WorkerError
+from rlcore.trainer.watchdog import StallError
 from rlcore.trainer.run_checkpoint import (
     STATE_FILE,
     find_latest_checkpoint,
@@ -273,3 +274,25 @@ def test_ray_address_that_accepts_but_never_answers(tmp_path, fault):
     else:
         fault.done(f"{outcome[-1][:200]} after {elapsed:.1f}s")
     assert outcome and outcome[-1].startswith("ERROR ConnectionError") and address in outcome[-1], outcome
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stalled_reward_phase_fails_by_the_watchdog(tmp_path, fault_model, fault):
+    """A reward function that hangs, with the watchdog's reward deadline (2 s) below the reward's own timeout
+    (10 s) and on_stall=fail: the run fails at the watchdog's deadline, naming the phase and step, and the
+    stall file in the run folder holds the hung function's stack."""
+    started = tmp_path / "hang_started"
+    cfg = config("grpo", fault_model, tmp_path, *LOCAL, f"reward.reward_fn={REWARDS}:hangs_on_third_row",
+                 f"+reward.reward_kwargs.started='{started}'", "trainer.watchdog.deadlines.reward=2",
+                 "trainer.watchdog.on_stall=fail")
+    with pytest.raises(StallError) as err:
+        recipes.grpo.train(cfg)
+    waited = time.time() - float(started.read_text())
+    message = str(err.value)
+    assert "phase 'reward' of step 1" in message and "past its deadline of 2s" in message, message
+    stall = Path(cfg.trainer.output_dir) / cfg.trainer.project / cfg.trainer.run_name / "stalls" / "step_1_reward.txt"
+    assert str(stall) in message and "in hangs_on_third_row" in stall.read_text()
+    # StallError, not the reward's own TimeoutError: the watchdog's 2 s deadline, not the reward's 10 s, ended it
+    fault.done(f"StallError {waited:.1f}s after the reward hung (deadlines.reward=2, on_stall=fail): "
+               f"{message.split(': ', 1)[0]}; stack in stalls/{stall.name}")

@@ -1,7 +1,7 @@
 """Faults that need Ray, planted in short real runs on the suite's Ray instance (tests/conftest.py):
 a worker process killed with SIGKILL mid-call (then resumed), two resource pools and two recipe runs
-at once on one cluster, and, in agentic GRPO, an env step that hangs and an engine server that dies
-while episodes are being played."""
+at once on one cluster, and, in agentic GRPO, an env step that hangs (the env's timeout, or first the
+watchdog's wait_rollout deadline) and an engine server that dies while episodes are being played."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from rlcore.agentic.pool import RolloutError, RolloutPool
 from rlcore.single_controller import RayResourcePool, WorkerDiedError, WorkerError
 from rlcore.single_controller.ray_group import RayWorkerGroup
 from rlcore.trainer import streamed_grpo
+from rlcore.trainer.watchdog import StallError
 
 pytestmark = pytest.mark.slow
 RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1"]
@@ -199,3 +200,26 @@ def test_engine_server_dies_during_agentic_rollouts(tmp_path, fault_model, fault
     fault.done(f"{type(err.value).__name__} raised {raised:.1f}s (torn down {elapsed:.1f}s) after ray.kill of the only "
                f"engine ({killed['in_flight']} groups in flight, {killed['ready']} ready; no failover with 1 engine): "
                f"{what}: {last_line(message)}")
+
+
+@pytest.mark.timeout(240)
+def test_stalled_wait_for_rollouts_is_reported_with_the_pools_groups(tmp_path, fault_model, fault, ray_cluster):
+    """An env that hangs for longer than anything times out (env.step_timeout_s=600): the trainer's wait for
+    groups runs past the watchdog's wait_rollout deadline (3 s, on_stall=fail), and the run fails naming the
+    phase and the groups the pool is still playing, with their ages, in the message and the stall file."""
+    started = tmp_path / "hang_started"
+    cfg = config("agentic_grpo", fault_model, tmp_path, *AGENTIC, "env.name=tests.faults.fault_envs:HangingToolEnv",
+                 "env.step_timeout_s=600", f"+env.kwargs.started='{started}'",
+                 "trainer.watchdog.deadlines.wait_rollout=3", "trainer.watchdog.on_stall=fail")
+    start = time.monotonic()
+    with pytest.raises(StallError) as err:
+        recipes.agentic_grpo.train(cfg)
+    message = str(err.value)
+    assert "phase 'wait_rollout' of step 1" in message and "past its deadline of 3s" in message, message
+    assert "rollout pool: " in message and "group(s) in flight" in message, message
+    stall = tmp_path / cfg.trainer.project / cfg.trainer.run_name / "stalls" / "step_1_wait_rollout.txt"
+    text = stall.read_text()
+    assert "== rollout pool" in text and re.search(r"group 0 \(arithmetic\) on runner 0: played \d", text), text
+    assert "in get_groups" in text  # the driver's own stack: waiting on the pool
+    fault.done(f"StallError {time.monotonic() - start:.1f}s into the run (deadlines.wait_rollout=3, the env hangs): "
+               f"{message.split('. Stacks')[0][-200:]}")

@@ -280,6 +280,13 @@ def test_chat_agent_grpo_trains_a_black_box_openai_agent(tmp_path, tiny_model, r
     for r in rows[1:]:
         assert 1 <= r["episode/requests_mean"] <= 3 and r["episode/segments_mean"] == 1.0
         assert r["reward/score/max"] in (0.0, 0.25, 0.5, 1.0)  # the agent's rewards: 0.5 ** (try - 1), or 0
+        assert r["pool/dropped_share/arithmetic"] >= 0.0 and "pool/dropped/stale" in r and "pool/kept_reward_mean" in r
+    # Nothing vanishes silently: the groups trained on are "kept", those left at the end are counted as dropped.
+    drops = json.loads((run.dir / "drops.json").read_text())
+    assert drops["groups_kept"] == 2 * cfg.data.train_batch_size
+    assert drops["by_data_source"]["arithmetic"]["kept"] == drops["groups_kept"]
+    at_end = sum(drops["dropped"].get(r, {}).get("groups", 0) for r in ("in_flight_at_end", "unused_at_end"))
+    assert at_end >= 1 and (run.dir / "drops.txt").read_text().startswith("Rollout pool: ")
 
 
 def test_chat_agent_grpo_trains_an_agent_written_with_the_anthropic_client(tmp_path, tiny_model, ray_cluster):

@@ -1,0 +1,83 @@
+"""What a group is running right now: calls in flight per rank, and the stacks of the ranks running them,
+for Ray groups (a signal to each rank's process) and in-process groups (the driver's own threads)."""
+
+import threading
+import time
+
+import pytest
+
+from rlcore.single_controller import (
+    ClassWithInitArgs,
+    Dispatch,
+    LocalWorkerGroup,
+    RayResourcePool,
+    RayWorkerGroup,
+    Worker,
+    in_flight_calls,
+    register,
+)
+
+
+class Napper(Worker):
+    @register(Dispatch.ONE_TO_ALL)
+    def nap_for_a_while(self, seconds: float, only_rank: int | None = None):
+        if only_rank is None or only_rank == self.rank:
+            time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL, blocking=False)
+    def nap_later(self, seconds: float):
+        time.sleep(seconds)
+        return self.rank
+
+
+def wait_until(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "never got there"
+        time.sleep(0.02)
+
+
+def test_local_group_reports_the_running_call_and_its_thread_stack():
+    group = LocalWorkerGroup(ClassWithInitArgs(Napper))
+    assert group.in_flight() == []
+    caller = threading.Thread(target=group.nap_for_a_while, args=(1.5,), name="the-driver-step")
+    caller.start()
+    try:
+        wait_until(lambda: group.in_flight() and group.in_flight()[0].pending)
+        [call] = group.in_flight()
+        assert (call.group, call.method, call.ranks, call.pending) == ("Napper", "nap_for_a_while", [0], [0])
+        assert call.thread == caller.ident and 0 <= call.age_s() < 1.5
+        assert any(c is call or (g is group and c.method == call.method) for g, c in in_flight_calls())
+        stacks = group.dump_stacks([0])
+        assert "nap_for_a_while" in stacks[0] and "the-driver-step" in stacks[0], stacks[0]
+    finally:
+        caller.join()
+    assert group.in_flight() == []  # collected: no longer in flight
+
+
+@pytest.mark.slow
+def test_ray_group_names_the_pending_rank_and_dumps_its_process_stack(ray_cluster):
+    pool = RayResourcePool([2], num_cpus_per_process=0.25, name_prefix="inflight")
+    group = RayWorkerGroup(pool, ClassWithInitArgs(Napper), name_prefix="inflight")
+    try:
+        assert group.nap_for_a_while(0.0) == [0, 1]
+        assert group.in_flight() == []
+        future = group.nap_for_a_while.options(blocking=False)(4.0, only_rank=1)
+        wait_until(lambda: group.in_flight()[0].pending == [1])  # rank 0 returned at once, rank 1 sleeps
+        [call] = group.in_flight()
+        assert (call.group, call.method, call.ranks) == ("Napper", "nap_for_a_while", [0, 1])
+        start = time.monotonic()
+        stacks = group.dump_stacks(call.pending)
+        assert time.monotonic() - start < 2.5
+        assert "nap_for_a_while" in stacks[1] and "Thread" in stacks[1], stacks[1]
+        assert future.get() == [0, 1]
+        assert group.in_flight() == []
+        # A future dropped without get() is no longer the driver's business.
+        dropped = group.nap_later(0.1)
+        assert [c.method for c in group.in_flight()] == ["nap_later"]
+        del dropped
+        assert group.in_flight() == []
+    finally:
+        group.shutdown()
+        pool.shutdown()
