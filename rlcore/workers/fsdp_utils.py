@@ -317,7 +317,22 @@ def _named_write(path: str, write: Callable[[], Any]) -> None:
     except (OSError, RuntimeError, CheckpointException) as exc:
         causes = [e for e, _ in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
         cause = "; ".join(f"{type(e).__name__}: {e}" for e in causes)
-        raise OSError(f"writing checkpoint {path} failed: {cause} (disk full?)") from exc
+        raise OSError(f"writing checkpoint {path} failed: {cause} ({_space_left(path)})") from exc
+
+
+def _space_left(path: str) -> str:
+    """What the filesystem of ``path`` has left, said plainly when it is full: torch's zip writer reports
+    a full disk as "unexpected pos", never as ENOSPC."""
+    folder = path
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    try:
+        usage = shutil.disk_usage(folder or ".")
+    except OSError:
+        return "free space unknown"
+    if usage.free < max(2**20, usage.total // 1000):
+        return f"No space left on device: {usage.free} bytes free of {usage.total} there"
+    return f"{usage.free} bytes free there"
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
