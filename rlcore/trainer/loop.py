@@ -55,6 +55,7 @@ from rlcore.data.dataset import PromptLoader
 from rlcore.engines.seeding import derive_seed, set_deterministic
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
+from rlcore.trainer.consistency import ConsistencyCheck
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
     HF_DIR,
@@ -66,6 +67,7 @@ from rlcore.trainer.run_checkpoint import (
 )
 from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
+from rlcore.workers.mismatch import read_check_config
 
 CONSOLE_KEYS = (
     "critic/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
@@ -110,6 +112,14 @@ def claim_run_folder(folder: Path, resume: str, overwrite: bool) -> IO:
     return lock
 
 
+def consistency_check(cfg: DictConfig, workers: Workers) -> ConsistencyCheck:
+    """The run's ``trainer.check``; the weights of a hybrid rollout group are compared with the actor's
+    (engine servers are added by their recipe: ``run.check.watch``)."""
+    rollout, actor = workers.rollout, workers.trained.get("actor")
+    engines = rollout.weight_checksums if rollout is not None else None
+    return ConsistencyCheck(read_check_config(cfg), actor, engines)
+
+
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
 
@@ -125,6 +135,7 @@ class TrainingRun:
         self.dir = (Path(t.output_dir) / t.project / t.run_name).resolve()
         self.ckpt_dir = self.dir / "checkpoints"
         self.timer = Timer()
+        self.check = consistency_check(cfg, workers)  # trainer vs sampler, every step (docs/correctness.md)
         self.last_val: dict[str, float] = {}
         self._failed = False  # the run's block ended by an exception
         self._exported_at: int | None = None  # the step of the last checkpoint this run exported
@@ -194,6 +205,8 @@ class TrainingRun:
         if t.save_freq and step % t.save_freq == 0:
             with self.timer("save_checkpoint"):
                 self.save(step)
+        with self.timer("check"):
+            out.update(self.check.after_step(step, out))
         out.update(self.balance_metrics())
         out.update(self.timer.metrics())
         out["timing_s/step"] = time.perf_counter() - self._step_start

@@ -53,6 +53,7 @@ from rlcore.workers.fsdp_utils import (
     setup_worker,
 )
 from rlcore.workers.lora import lora_scaling, merge_lora_tensors, trainable_parameters, wrap_lora
+from rlcore.workers.mismatch import MismatchCollector, read_check_config
 from rlcore.workers.moe import MoEActor, micro_share
 from rlcore.workers.precision import resolve_mixed_precision
 from rlcore.workers.response_head import install_response_head, scored_positions
@@ -74,6 +75,7 @@ class ActorWorker(FSDPTrainWorker):
         self.train_cfg = read_section(config, "actor", ActorConfig)
         self.policy_loss_fn = get_policy_loss(self.train_cfg.policy_loss)
         self.lora = role == "actor" and self.train_cfg.lora.enabled  # a ref is the base model, never adapted
+        self.mismatch = MismatchCollector(read_check_config(config))  # check/*: trainer vs sampler log-probs
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -166,16 +168,18 @@ class ActorWorker(FSDPTrainWorker):
             keys.append("ref_log_prob")
         if cfg.use_rollout_is:
             keys.append("rollout_log_probs")
-        keys += self._moe_keys(data)
+        keys += self._moe_keys(data) + self.mismatch.keys(data)
         try:
             selected = data.select(batch_keys=list(dict.fromkeys(keys)))
         except KeyError as e:
             hint = (" (it may be left out only when the update is one optimizer step: ppo_epochs=1 and "
                     "ppo_mini_batch_size null or the whole batch)") if "old_log_probs" in str(e) else ""
             raise KeyError(f"update_policy: {e.args[0]}{hint}") from None
+        self.mismatch.start(selected)  # from old_log_probs, or from the update's first forward (_loss)
         dropped = self._mask_mismatched(selected) if cfg.use_rollout_is and cfg.rollout_is_mode == "mask" else {}
         rows_with_grad = self._rows_with_grad() if "advantages" in have else None
-        return {**self.run_updates(selected, self._loss, "actor", rows_with_grad), **dropped}
+        metrics = {**self.run_updates(selected, self._loss, "actor", rows_with_grad), **dropped}
+        return {**metrics, **self.mismatch.finish(self.device)}
 
     def _rows_with_grad(self):
         """With ``skip_zero_advantage_rows``, the mask of rows that can move the policy: those with a
@@ -199,6 +203,9 @@ class ActorWorker(FSDPTrainWorker):
         cfg, b = self.train_cfg, data.batch
         mask = b["response_mask"]
         old = b["old_log_probs"] if "old_log_probs" in b.keys() else self._infer(data)["log_prob"].to(mask.device)
+        if self.mismatch.collecting:  # measured before the out-of-band tokens leave the mask
+            self.mismatch.add(old, data)
+            self.mismatch.collecting = False
         weights, metrics = compute_is_weights(old, b["rollout_log_probs"], mask, cap=cfg.rollout_is_cap,
                                               level=cfg.rollout_is_level, mode="mask", lower=cfg.rollout_is_lower)
         b["response_mask"] = mask * (weights > 0).to(mask.dtype)
@@ -215,6 +222,7 @@ class ActorWorker(FSDPTrainWorker):
         cfg, b = self.train_cfg, micro.batch
         mask = b["response_mask"]
         log_prob, entropy = self._forward(micro)
+        self.mismatch.add(log_prob, micro)  # single-step update: its first forward is the trainer's scoring
         # No old_log_probs: a single-step update (see update_policy), whose own log-probs are the old ones.
         old_log_prob = b["old_log_probs"] if "old_log_probs" in b.keys() else log_prob.detach()
         metrics: dict[str, float] = {}

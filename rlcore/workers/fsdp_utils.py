@@ -35,6 +35,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rlcore.algos.consistency import weight_checksums
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
 from rlcore.engines.layout import crop_padding, pad_back
@@ -45,6 +46,7 @@ from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
+from rlcore.workers.mismatch import STAND_IN
 from rlcore.workers.moe import router_mp_policy
 
 
@@ -410,7 +412,9 @@ class FSDPTrainWorker(Worker):
             total = torch.zeros((), device=self.device)
             trained = 0
             for ix, counts in self.trained_micro_batches(mini, rows_with_grad):
-                loss, micro_metrics = loss_fn(load_micro_batch(mini, ix, self.device)[0], scale)
+                micro = load_micro_batch(mini, ix, self.device)[0]
+                micro.meta_info = {**micro.meta_info, STAND_IN: not counts}  # a stand-in's statistics count nowhere
+                loss, micro_metrics = loss_fn(micro, scale)
                 if not counts:
                     loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
                 loss.backward()
@@ -452,6 +456,20 @@ class FSDPTrainWorker(Worker):
     def get_full_state_dict(self) -> dict[str, torch.Tensor]:
         """{HF name: full CPU tensor} from rank 0 (every rank takes part in the gather)."""
         return dict(self.engine_weights(full_state_dict(self.module).items()))
+
+    @register(Dispatch.COLLECTIVE_RANK_ZERO)
+    def weight_checksums(self, dtypes: dict[str, str] | None = None) -> dict[str, Any]:
+        """What an engine should hold: ``{"tensors": {HF name: (elements, sum, sum of squares)}}`` of the
+        weights ``get_full_state_dict`` would hand it, each cast to ``dtypes[name]`` (the engine's), and
+        ``"dtype"``, the dtype the trainer computes its log-probs in. Gathered one parameter at a
+        time, as ``push_weights`` does; rank 0's answer."""
+        tensors = iter_full_tensors(self.module)
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return {}
+        compute = getattr(self, "compute_dtype", None) or str(next(self.module.parameters()).dtype).removeprefix("torch.")
+        return {"tensors": weight_checksums(self.engine_weights(tensors), dtypes), "dtype": compute}
 
     @register(Dispatch.COLLECTIVE_RANK_ZERO)
     def push_weights(self, engines: list, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
