@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from rlcore.algos.consistency import compare_checksums
+from rlcore.engines.weights import layer_of
 from rlcore.protocol import DataProto
 from rlcore.workers.mismatch import CheckConfig
 
@@ -86,7 +87,9 @@ def diagnose(m: dict[str, float], weights: WeightReport | None) -> tuple[str, st
     """(cause key, message) for measures out of band: see the module docstring for the order."""
     if weights is not None and not weights.ok:
         bad = weights.differ + weights.missing
-        shown = ", ".join(bad[:SHOWN]) + (f" and {len(bad) - SHOWN} more" if len(bad) > SHOWN else "")
+        units = Counter(layer_of(name) for name in bad)  # a bucket keeps a decoder layer whole
+        shown = "; ".join(f"{unit}.* ({count})" if count > 1 else unit for unit, count in units.items())
+        shown += " - e.g. " + ", ".join(bad[:3])
         if len(bad) >= weights.tensors:
             return "weights_not_synced", (f"weights not synced: all {weights.tensors} tensors of the engine differ from "
                                           f"the trainer's (checked at step {weights.step}); the engine samples with "
