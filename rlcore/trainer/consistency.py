@@ -18,7 +18,8 @@ measured, in this order (docs/correctness.md, "Consistency check"):
    sampler never saw, a chat template re-rendered (re-tokenised) earlier turns.
 4. dtype: the engine's weights and the trainer's compute dtype differ (bf16 engine, fp32 trainer):
    symmetric numeric noise.
-5. otherwise: unexplained, with what was ruled out.
+5. precision: both sides in bf16 (or fp16), symmetric noise: different kernels at low precision.
+6. otherwise: unexplained, with what was ruled out.
 
 ``trainer.check.strict=true`` raises ``ConsistencyError`` instead of warning.
 """
@@ -116,6 +117,11 @@ def diagnose(m: dict[str, float], weights: WeightReport | None) -> tuple[str, st
         return "dtype", (f"dtype differs (engine {dtypes[0]}, trainer {dtypes[1]}): symmetric numeric noise of "
                          f"{abs_mean:.3g} nats per token; train and sample in one dtype, correct it with "
                          "actor.use_rollout_is, or widen trainer.check.max_abs_diff_mean")
+    low = ("bfloat16", "float16")
+    if dtypes[0] in low and dtypes[0] == dtypes[1] and abs(signed) < 0.5 * abs_mean:
+        return "precision", (f"numeric noise of {dtypes[0]} on both sides: engine and trainer compute in {dtypes[0]} "
+                             f"with different kernels, {abs_mean:.3g} nats per token apart; expected at this precision "
+                             "(widen trainer.check.max_abs_diff_mean, or correct it with actor.use_rollout_is)")
     checked = (f"the weights match (checked at step {weights.step}) and both sides use {dtypes[0]}"
                if weights is not None else "weights not checked (no engine checksums)")
     return "unexplained", (f"trainer and sampler disagree (mean |diff| {abs_mean:.3g} nats) with no cause measured: "

@@ -34,7 +34,7 @@ class CheckConfig:
     enable: bool = True  # log check/* every step, compare weights every weight_checksum_freq steps
     ratio_band: list[float] = field(default_factory=lambda: [0.9, 1.1])  # a token's exp(trainer - sampler) outside is out of band
     max_out_of_band: float = 0.01  # share of (current-version) tokens that may leave ratio_band before the run warns
-    max_abs_diff_mean: float = 5e-4  # mean |trainer - sampler| log-prob of those tokens allowed before the run warns
+    max_abs_diff_mean: float = 1e-4  # mean |trainer - sampler| log-prob of those tokens allowed before the run warns
     weight_checksum_freq: int = 10  # compare engine and trainer weights every N steps (and at step 1); 0: never
     strict: bool = False  # true: a measure out of its band stops the run (ConsistencyError) instead of warning once
 

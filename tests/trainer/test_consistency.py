@@ -107,7 +107,7 @@ def test_a_engine_not_synced_after_an_update(model_dir, tok):
 def test_b_bf16_engine_with_fp32_trainer(model_dir, tok):
     h = Hybrid(model_dir, rollout={"dtype": "bfloat16"})
     m = h.step(tok, 1)
-    assert m["check/logprob_abs_diff_mean"] > 5e-4
+    assert m["check/logprob_abs_diff_mean"] > 1e-4
     assert m["check/weights_mismatch"] == 0  # the engine holds the trainer's weights, rounded to bf16
     assert list(h.check.warned) == ["dtype"]
     assert "engine bfloat16, trainer float32" in h.check.warned["dtype"]

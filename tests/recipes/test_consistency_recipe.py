@@ -1,0 +1,58 @@
+"""The consistency check inside real recipe runs: the clean default GRPO run stays inside every band
+(weights compared at step 1 and every trainer.check.weight_checksum_freq steps, no warning); a bf16
+engine against the fp32 trainer is named at step 1, a warning by default, a stop with strict."""
+
+import math
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import recipes.grpo
+from rlcore.models.tiny import build_tiny_model
+from rlcore.trainer.consistency import ConsistencyError
+from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.workers.mismatch import CheckConfig
+
+pytestmark = pytest.mark.slow
+CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("check_model"), hidden_size=32, num_heads=2, num_kv_heads=1)
+
+
+def grpo(tmp_path, tiny_model, *extra):
+    overrides = [f"model.path={tiny_model}", f"trainer.output_dir={tmp_path}", "trainer.backend=local",
+                 "trainer.loggers=[jsonl]", "trainer.total_steps=3", "trainer.val_freq=0", "trainer.save_freq=0",
+                 "trainer.export_hf=false", "data.train_batch_size=4", "data.arithmetic.n_train=8",
+                 "data.arithmetic.n_val=2", "rollout.n=4", "rollout.max_new_tokens=4",
+                 "actor.ppo_micro_batch_size_per_gpu=8", "trainer.check.weight_checksum_freq=2", *extra]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return recipes.grpo.train(compose("grpo", overrides=overrides))
+
+
+def test_clean_default_run_stays_inside_every_band(tmp_path, tiny_model, capfd):
+    rows = read_jsonl_metrics(grpo(tmp_path, tiny_model).dir / "metrics.jsonl")
+    band = CheckConfig()
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["check/tokens"] > 0 and row["check/nan_rewards"] == 0
+        assert row["check/logprob_abs_diff_mean"] <= band.max_abs_diff_mean
+        assert row["check/ratio_out_of_band"] <= band.max_out_of_band
+        assert math.isfinite(row["check/logprob_abs_diff_max"]) and "timing_s/check" in row
+    # compared at step 1 and step 2 (freq 2), every tensor equal; not at step 3
+    assert [r.get("check/weights_mismatch") for r in rows] == [0.0, 0.0, None]
+    assert rows[0]["check/weights_checked"] > 10
+    assert "consistency check" not in capfd.readouterr().err
+
+
+def test_bf16_engine_is_named_at_step_1_and_strict_stops(tmp_path, tiny_model, capfd):
+    rows = read_jsonl_metrics(grpo(tmp_path / "warn", tiny_model, "rollout.dtype=bfloat16").dir / "metrics.jsonl")
+    assert len(rows) == 3 and rows[0]["check/logprob_abs_diff_mean"] > CheckConfig().max_abs_diff_mean
+    err = capfd.readouterr().err
+    assert err.count("WARNING consistency check") == 1  # once per cause, not every step
+    assert "step 1:" in err and "dtype differs (engine bfloat16, trainer float32)" in err
+    with pytest.raises(ConsistencyError, match=r"step 1: .*dtype differs.*strict=true"):
+        grpo(tmp_path / "strict", tiny_model, "rollout.dtype=bfloat16", "trainer.check.strict=true")
