@@ -222,11 +222,11 @@ class Engine(ABC):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace the policy weights (HF parameter names, any dtype) in place."""
 
-    def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
+    def weight_checksums(self) -> dict[str, tuple[str, int, float, float]] | None:
         """{HF name: (dtype name, elements, sum, sum of squares)} of the weights this engine samples
-        with (``rlcore.algos.consistency``), for the consistency check to compare with the trainer's.
-        An engine that cannot read its weights back under the trainer's names says so."""
-        raise NotImplementedError(f"{type(self).__name__} does not report weight checksums")
+        with (``rlcore.algos.consistency``), for the consistency check to compare with the trainer's;
+        None from an engine that cannot read its weights back under the trainer's names."""
+        return None
 
 
 def _str_tuple(value: Any, what: str) -> tuple[str, ...]:

@@ -230,3 +230,16 @@ def test_strict_stops_the_run(model_dir, tok):
     h = Hybrid(model_dir, rollout={"dtype": "bfloat16"}, strict=True)
     with pytest.raises(ConsistencyError, match=r"dtype differs.*strict=true"):
         h.step(tok, 1)
+
+
+def test_engines_without_checksums_keep_the_log_prob_measures():
+    """An engine that cannot report its weights (None) turns the weight comparison off, once, said so."""
+    out = io.StringIO()
+    check = ConsistencyCheck(CheckConfig(weight_checksum_freq=1), SimpleNamespace(weight_checksums=None),
+                             lambda: [None], out=out)
+    inside = {"check/tokens": 10.0, "check/logprob_abs_diff_mean": 0.0, "check/ratio_out_of_band": 0.0}
+    assert check.after_step(1, inside) == {} and check.after_step(2, inside) == {}
+    assert out.getvalue().count("weight checksums off") == 1
+    with pytest.raises(ConsistencyError, match="not one-sided"):
+        ConsistencyCheck(CheckConfig(strict=True), None, None).after_step(
+            1, {**inside, "check/logprob_abs_diff_mean": 0.2, "check/logprob_diff_mean": 0.01})
