@@ -2,7 +2,7 @@
 
 Measured every step at no extra forward pass (``rlcore.workers.mismatch``: the ``check/*`` metrics
 of the actor's update), plus, every ``trainer.check.weight_checksum_freq`` steps, at step 1 and
-whenever a log-prob band is left, a checksum of every engine's weights against the trainer's
+on the step a log-prob band is first left (once per excursion), a checksum of every engine's weights against the trainer's
 (``rlcore.algos.consistency``). Rewards that are NaN or infinite are refused by name
 (``check_rewards``), never turned into numbers.
 
@@ -84,8 +84,10 @@ def compare_weights(step: int, trainer: dict[str, Any], engines: Sequence[dict[s
                         dtypes.most_common(1)[0][0] if dtypes else None, trainer.get("dtype"))
 
 
-def diagnose(m: dict[str, float], weights: WeightReport | None) -> tuple[str, str]:
-    """(cause key, message) for measures out of band: see the module docstring for the order."""
+def diagnose(m: dict[str, float], weights: WeightReport | None,
+             dtypes: tuple[str | None, str | None] = (None, None)) -> tuple[str, str]:
+    """(cause key, message) for measures out of band: see the module docstring for the order.
+    ``weights``: this step's comparison, if one ran; ``dtypes``: (engine, trainer) as last reported."""
     if weights is not None and not weights.ok:
         bad = weights.differ + weights.missing
         units = Counter(layer_of(name) for name in bad)  # a bucket keeps a decoder layer whole
@@ -112,7 +114,6 @@ def diagnose(m: dict[str, float], weights: WeightReport | None) -> tuple[str, st
         return "template", (f"template re-tokenised earlier turns: first-turn tokens agree (mean |diff| {first:.3g}) "
                             f"but later turns differ ({later:.3g}): the trainer scores a context the sampler did not "
                             "see (a chat template that re-renders or drops earlier turns' content)")
-    dtypes = (weights.engine_dtype, weights.trainer_dtype) if weights is not None else (None, None)
     if None not in dtypes and dtypes[0] != dtypes[1]:
         return "dtype", (f"dtype differs (engine {dtypes[0]}, trainer {dtypes[1]}): symmetric numeric noise of "
                          f"{abs_mean:.3g} nats per token; train and sample in one dtype, correct it with "
@@ -123,7 +124,7 @@ def diagnose(m: dict[str, float], weights: WeightReport | None) -> tuple[str, st
                              f"with different kernels, {abs_mean:.3g} nats per token apart; expected at this precision "
                              "(widen trainer.check.max_abs_diff_mean, or correct it with actor.use_rollout_is)")
     checked = (f"the weights match (checked at step {weights.step}) and both sides use {dtypes[0]}"
-               if weights is not None else "weights not checked (no engine checksums)")
+               if weights is not None else "weights not checked this step")
     return "unexplained", (f"trainer and sampler disagree (mean |diff| {abs_mean:.3g} nats) with no cause measured: "
                            f"{checked}; not one-sided (top-p/top-k) and not confined to later turns")
 
@@ -189,6 +190,7 @@ class ConsistencyCheck:
         self.warned: dict[str, str] = {}  # cause key -> message, each warned once
         self.last_weights: WeightReport | None = None
         self._checks = 0
+        self._out = False  # the last step left a band
         self._unsupported: str | None = None
 
     def watch(self, engines: Callable[[], list[dict]]) -> None:
@@ -202,14 +204,18 @@ class ConsistencyCheck:
         found = out_of_band(metrics, self.cfg)
         freq = self.cfg.weight_checksum_freq
         due = freq > 0 and (self._checks == 1 or step % freq == 0)
+        # a band just left (the step before was inside): compare the weights now, once per excursion
+        new_excursion, self._out = bool(found) and not self._out, bool(found)
         added: dict[str, float] = {}
-        checked = (due or found) and self.can_check_weights() and self.check_weights(step) is not None
+        checked = (due or new_excursion) and self.can_check_weights() and self.check_weights(step) is not None
         if checked:
             added = self.last_weights.metrics()
             if not self.last_weights.ok:
                 found.append(f"{added['check/weights_mismatch']:g} engine tensor(s) differ from the trainer's")
         if found:
-            cause, message = diagnose(metrics, self.last_weights if checked else None)
+            last = self.last_weights
+            dtypes = (last.engine_dtype, last.trainer_dtype) if last is not None else (None, None)
+            cause, message = diagnose(metrics, last if checked else None, dtypes)
             self.report(step, cause, f"{'; '.join(found)}. Likely cause: {message}")
         return added
 
