@@ -28,11 +28,13 @@ its own, which it names in a ``batch_keys`` attribute (the DPO loss reads ``ref_
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
+from rlcore.algos.consistency import weight_checksums
 from rlcore.algos.importance import compute_is_weights
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.losses import LossScale, PolicyLossInput, agg_loss, get_policy_loss
@@ -49,6 +51,7 @@ from rlcore.workers.fsdp_utils import (
     build_lr_scheduler,
     build_optimizer,
     forward_micro_batches,
+    iter_full_tensors,
     mixed_precision_policy,
     setup_worker,
 )
@@ -266,6 +269,20 @@ class ActorWorker(FSDPTrainWorker):
         """A HF directory (weights, config, tokenizer) that from_pretrained and vLLM load (a LoRA
         actor's with its adapters merged in)."""
         fsdp_utils.export_hf(self.module, self.model_cfg.path, path, self.get_full_state_dict())
+
+    @register(Dispatch.COLLECTIVE_RANK_ZERO)
+    def weight_checksums(self, dtypes: dict[str, str] | None = None) -> dict[str, Any]:
+        """What an engine should hold (the consistency check): ``{"tensors": {HF name: (elements, sum,
+        sum of squares)}}`` of the weights ``get_full_state_dict`` would hand it, each cast to
+        ``dtypes[name]`` (the engine's), and ``"dtype"``, the one the log-probs are computed in.
+        Gathered one parameter at a time, as ``push_weights`` does; rank 0's answer."""
+        tensors = iter_full_tensors(self.module)
+        if self.rank != 0:
+            for _ in tensors:  # the same gathers in the same order as rank 0
+                pass
+            return {}
+        dtype = self.compute_dtype or str(next(self.module.parameters()).dtype).removeprefix("torch.")
+        return {"tensors": weight_checksums(self.engine_weights(tensors), dtypes), "dtype": dtype}
 
     def engine_weights(self, named):
         """A LoRA actor's entries merged into the base model's (``merge_lora_tensors``); a plain one's as they are."""

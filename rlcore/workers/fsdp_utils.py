@@ -35,7 +35,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlcore.algos.consistency import weight_checksums
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
 from rlcore.engines.layout import crop_padding, pad_back
@@ -456,20 +455,6 @@ class FSDPTrainWorker(Worker):
     def get_full_state_dict(self) -> dict[str, torch.Tensor]:
         """{HF name: full CPU tensor} from rank 0 (every rank takes part in the gather)."""
         return dict(self.engine_weights(full_state_dict(self.module).items()))
-
-    @register(Dispatch.COLLECTIVE_RANK_ZERO)
-    def weight_checksums(self, dtypes: dict[str, str] | None = None) -> dict[str, Any]:
-        """What an engine should hold: ``{"tensors": {HF name: (elements, sum, sum of squares)}}`` of the
-        weights ``get_full_state_dict`` would hand it, each cast to ``dtypes[name]`` (the engine's), and
-        ``"dtype"``, the dtype the trainer computes its log-probs in. Gathered one parameter at a
-        time, as ``push_weights`` does; rank 0's answer."""
-        tensors = iter_full_tensors(self.module)
-        if self.rank != 0:
-            for _ in tensors:
-                pass
-            return {}
-        compute = getattr(self, "compute_dtype", None) or str(next(self.module.parameters()).dtype).removeprefix("torch.")
-        return {"tensors": weight_checksums(self.engine_weights(tensors), dtypes), "dtype": compute}
 
     @register(Dispatch.COLLECTIVE_RANK_ZERO)
     def push_weights(self, engines: list, version: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
