@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+import recipes.agentic_grpo
 import recipes.grpo
 from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.consistency import ConsistencyError
@@ -56,3 +57,22 @@ def test_bf16_engine_is_named_at_step_1_and_strict_stops(tmp_path, tiny_model, c
     assert "step 1:" in err and "dtype differs (engine bfloat16, trainer float32)" in err
     with pytest.raises(ConsistencyError, match=r"step 1: .*dtype differs.*strict=true"):
         grpo(tmp_path / "strict", tiny_model, "rollout.dtype=bfloat16", "trainer.check.strict=true")
+
+
+def test_agentic_run_checks_engine_servers_and_reports_lags(tmp_path, tiny_model, ray_cluster, capfd):
+    """Engine servers (Ray actors) report checksums of their weights after each bucketed push, and
+    tokens carry policy versions: the bands judge the current version's tokens, stale ones are by lag."""
+    overrides = [f"model.path={tiny_model}", f"trainer.output_dir={tmp_path}", "trainer.backend=local",
+                 "trainer.loggers=[jsonl]", "trainer.total_steps=3", "trainer.val_freq=0", "data.train_batch_size=2",
+                 "data.arithmetic.n_train=8", "data.arithmetic.n_val=2", "rollout.n=2", "rollout.max_new_tokens=3",
+                 "actor.ppo_micro_batch_size_per_gpu=4", "env.max_total_tokens=32", "agentic.cpus_per_engine=1",
+                 "trainer.check.weight_checksum_freq=2", "trainer.export_hf=false"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose("agentic_grpo", overrides=overrides)
+    rows = read_jsonl_metrics(recipes.agentic_grpo.train(cfg).dir / "metrics.jsonl")
+    assert [r.get("check/weights_mismatch") for r in rows] == [0.0, 0.0, None]
+    for row in rows:
+        lags = sum(v for k, v in row.items() if k.startswith("check/tokens/lag_"))
+        assert lags == row["check/tokens"] and row["check/tokens/lag_0"] > 0
+        assert row["check/logprob_abs_diff_mean/lag_0"] <= CheckConfig().max_abs_diff_mean
+    assert "consistency check" not in capfd.readouterr().err
