@@ -50,9 +50,9 @@ def tok(model_dir):
 class Hybrid:
     """Actor + rollout in this process, and a ConsistencyCheck watching them (defaults unless given)."""
 
-    def __init__(self, model_dir, rollout=None, **check):
+    def __init__(self, model_dir, rollout=None, actor=None, **check):
         actor = ClassWithInitArgs(ActorWorker, {"model": {"path": model_dir, "mixed_precision": None},
-                                                "actor": {"lr": 1e-2}})
+                                                "actor": {"lr": 1e-2, **(actor or {})}})
         engine = ClassWithInitArgs(RolloutWorker, {"model": {"path": model_dir},
                                                    "rollout": {"max_new_tokens": MAX_NEW, **(rollout or {})}})
         self.wg = LocalWorkerGroup(create_colocated_worker_cls({"actor": actor, "rollout": engine}))
@@ -81,8 +81,10 @@ class Hybrid:
         return {**metrics, **self.check.after_step(step, metrics)}
 
 
-def test_clean_run_stays_inside_every_band(model_dir, tok):
-    h = Hybrid(model_dir, weight_checksum_freq=1)
+@pytest.mark.parametrize("actor", [{}, {"lora": {"rank": 4}}], ids=["full", "lora"])
+def test_clean_run_stays_inside_every_band(model_dir, tok, actor):
+    """A LoRA actor hands engines its merged weights: those are what its checksums describe."""
+    h = Hybrid(model_dir, actor=actor, weight_checksum_freq=1)
     for step in (1, 2):
         m = h.step(tok, step)
         assert m["check/tokens"] > 20
