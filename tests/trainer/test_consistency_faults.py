@@ -29,7 +29,7 @@ from rlcore.models.tiny import build_tiny_model  # noqa: E402
 from rlcore.protocol import DataProto  # noqa: E402
 from rlcore.rewards.manager import RewardError, RuleRewardManager  # noqa: E402
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, create_colocated_worker_cls  # noqa: E402
-from rlcore.trainer.consistency import ConsistencyCheck, ConsistencyError, check_rewards  # noqa: E402
+from rlcore.trainer.consistency import ConsistencyCheck, ConsistencyError, check_rewards, out_of_band  # noqa: E402
 from rlcore.workers.actor import ActorWorker  # noqa: E402
 from rlcore.workers.mismatch import CheckConfig  # noqa: E402
 from rlcore.workers.rollout import RolloutWorker  # noqa: E402
@@ -245,3 +245,16 @@ def test_engines_without_checksums_keep_the_log_prob_measures():
     with pytest.raises(ConsistencyError, match="not one-sided"):
         ConsistencyCheck(CheckConfig(strict=True), None, None).after_step(
             1, {**inside, "check/logprob_abs_diff_mean": 0.2, "check/logprob_diff_mean": 0.01})
+
+
+def test_stale_tokens_are_reported_by_lag_not_judged():
+    """Tokens sampled by older weights differ by the policy's own change: only lag 0 is judged."""
+    cfg = CheckConfig()
+    stale = {"check/tokens": 10.0, "check/logprob_abs_diff_mean": 0.3, "check/ratio_out_of_band": 0.5,
+             "check/tokens/lag_1": 10.0, "check/logprob_abs_diff_mean/lag_1": 0.3, "check/ratio_out_of_band/lag_1": 0.5}
+    assert out_of_band(stale, cfg) == []
+    mixed = {**stale, "check/tokens/lag_0": 4.0, "check/logprob_abs_diff_mean/lag_0": 1e-7,
+             "check/ratio_out_of_band/lag_0": 0.0}
+    assert out_of_band(mixed, cfg) == []
+    mixed["check/logprob_abs_diff_mean/lag_0"] = 0.01
+    assert out_of_band(mixed, cfg) == ["mean |trainer - sampler| log-prob 0.01 > 0.0001"]
