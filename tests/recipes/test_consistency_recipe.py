@@ -1,6 +1,7 @@
-"""The consistency check inside real recipe runs: the clean GRPO run (defaults, trainer in fp32) stays inside every band
-(weights compared at step 1 and every trainer.check.weight_checksum_freq steps, no warning); a bf16
-engine against the fp32 trainer is named at step 1, a warning by default, a stop with strict."""
+"""The consistency check inside real recipe runs: the clean GRPO run (defaults, trainer in fp32)
+stays inside every band (weights compared at step 1 and every trainer.check.weight_checksum_freq
+steps, no warning); a bf16 engine against the fp32 trainer is named at step 1, a warning by
+default, a stop with strict; agentic and async GRPO report tokens by version lag."""
 
 import math
 from pathlib import Path
