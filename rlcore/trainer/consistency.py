@@ -189,7 +189,6 @@ class ConsistencyCheck:
         self.out = out or sys.stderr
         self.warned: dict[str, str] = {}  # cause key -> message, each warned once
         self.last_weights: WeightReport | None = None
-        self._checks = 0
         self._out = False  # the last step left a band
         self._unsupported: str | None = None
 
@@ -200,15 +199,14 @@ class ConsistencyCheck:
         """After the step's sync: judge it; returns the metrics it adds (``check/weights_*``)."""
         if not self.cfg.enable or "check/tokens" not in metrics:
             return {}  # no sampled tokens trained on this step (SFT, reward model): nothing was to be synced
-        self._checks += 1
         found = out_of_band(metrics, self.cfg)
         freq = self.cfg.weight_checksum_freq
-        due = freq > 0 and (self._checks == 1 or step % freq == 0)
+        due = freq > 0 and (step == 1 or step % freq == 0)  # by step number, which a resumed run continues
         # a band just left (the step before was inside): compare the weights now, once per excursion
         new_excursion, self._out = bool(found) and not self._out, bool(found)
         added: dict[str, float] = {}
         checked = (due or new_excursion) and self.can_check_weights() and self.check_weights(step) is not None
-        if checked:
+        if checked and (due or not self.last_weights.ok):  # a resumed run logs what an uninterrupted one did
             added = self.last_weights.metrics()
             if not self.last_weights.ok:
                 found.append(f"{added['check/weights_mismatch']:g} engine tensor(s) differ from the trainer's")
