@@ -93,6 +93,8 @@ def diagnose(m: dict[str, float], weights: WeightReport | None,
         units = Counter(layer_of(name) for name in bad)  # a bucket keeps a decoder layer whole
         shown = "; ".join(f"{unit}.* ({count})" if count > 1 else unit for unit, count in units.items())
         shown += " - e.g. " + ", ".join(bad[:3])
+        engines = sorted({i for hit in weights.where.values() for i in hit})
+        shown += f"; on engine(s) {engines}" if engines else ""
         if len(bad) >= weights.tensors:
             return "weights_not_synced", (f"weights not synced: all {weights.tensors} tensors of the engine differ from "
                                           f"the trainer's (checked at step {weights.step}); the engine samples with "
