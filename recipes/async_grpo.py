@@ -31,6 +31,7 @@ from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_rollout_group, build_workers
 from rlcore.trainer.config import load_config, register_schema
+from rlcore.trainer.consistency import stamp_row_versions
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
 from rlcore.trainer.verl_compat import translate_sys_argv
@@ -73,6 +74,7 @@ def train(cfg: DictConfig) -> TrainingRun:
             with run.timer("wait_rollout"):
                 batch = loop.pop_batch(rows, timeout=cfg.replay.pop_timeout_s)
             staleness = step - 1 - batch.non_tensor_batch["policy_version"]
+            stamp_row_versions(batch, step - 1)  # the consistency check judges current-version rows only
             with run.timer("reward"):
                 batch.union(reward_fn(batch))
             if use_old:

@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("benchmarks.step", {"stages", "fixed_s", "fixed_total_s", "wall_s", "worker_compute_s", "peak_rss_bytes"}),
     ("benchmarks.grpo_vs_trl", {"cpu", "step_s", "trl_over_rlcore", "results"}),
     ("benchmarks.watchdog", {"phase_watched_us", "call_recorded_us", "step_on_s", "step_off_s", "predicted_share"}),
+    ("benchmarks.consistency", {"step_s", "mismatch_s", "driver_check_s_mean", "overhead_pct", "tokens_checked"}),
 ])
 def test_quick_mode_runs_and_writes_its_json(module, keys, tmp_path):
     out = tmp_path / "result.json"

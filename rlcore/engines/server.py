@@ -91,6 +91,9 @@ class EngineServer:
     async def finish_update(self) -> dict[str, float]:
         return await self.engine.finish_update()
 
+    async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
+        return await self.engine.weight_checksums()
+
     async def stats(self) -> dict[str, float]:
         return {"num_running": float(self.engine.num_running()), "policy_version": float(self.engine.policy_version),
                 "busy_s": float(self.engine.busy_s), "wall_s": time.perf_counter() - self.started}
@@ -148,6 +151,12 @@ def push_buckets(engines: Sequence["RemoteEngine"], buckets: Iterable[WeightBuck
     return {"sync/push_s": time.perf_counter() - start, "sync/bytes": float(nbytes), "sync/buckets": float(count),
             "sync/peak_bucket_bytes": float(peak),
             "sync/engine_load_s_max": max(r.get("engine/weight_update_s", 0.0) for r in results)}
+
+
+def engine_weight_checksums(engines: Sequence["RemoteEngine"], timeout_s: float = 600.0) -> list[dict]:
+    """Every engine server's ``weight_checksums`` (the consistency check), one dict per engine."""
+    _require_ray()
+    return _wait([e.handle.weight_checksums.remote() for e in engines], "weight_checksums", engines, timeout_s)
 
 
 def engine_idle_metrics(engines: Sequence["RemoteEngine"], previous: dict | None = None) -> tuple[dict[str, float], dict]:
@@ -259,6 +268,9 @@ class RemoteEngine(AsyncEngine):
 
     async def stats(self) -> dict[str, float]:
         return await self._call("stats")
+
+    async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
+        return await self._call("weight_checksums")
 
     async def close(self) -> None:
         try:

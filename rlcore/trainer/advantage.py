@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from rlcore.algos.advantages import get_advantage_estimator
 from rlcore.algos.kl import AdaptiveKLController, FixedKLController, apply_kl_penalty, get_kl_controller
 from rlcore.protocol import DataProto
+from rlcore.trainer.consistency import check_rewards
 
 
 def needs_old_log_prob(cfg: DictConfig) -> bool:
@@ -64,17 +65,19 @@ def build_kl_controller(algo: DictConfig) -> FixedKLController | AdaptiveKLContr
 def compute_rewards(batch: DataProto, algo: DictConfig,
                     kl_ctrl: FixedKLController | AdaptiveKLController | None) -> dict[str, float]:
     """``token_level_rewards``: the scores, minus coef * KL(pi_old || ref) per token when
-    ``algorithm.use_kl_in_reward`` (needs old_log_probs and ref_log_prob). Returns its metrics."""
+    ``algorithm.use_kl_in_reward`` (needs old_log_probs and ref_log_prob). Returns its metrics. A
+    NaN / infinite score is refused by name (``rlcore.trainer.consistency.check_rewards``)."""
     b = batch.batch
+    checked = check_rewards(batch)
     if not algo.use_kl_in_reward:
         b["token_level_rewards"] = b["token_level_scores"]
-        return {}
+        return checked
     if kl_ctrl is None:
         raise ValueError("algorithm.use_kl_in_reward needs a KL controller (build_kl_controller)")
     rewards, metrics = apply_kl_penalty(b["token_level_scores"], b["old_log_probs"], b["ref_log_prob"],
                                         b["response_mask"], kl_ctrl, kind=algo.kl_penalty)
     b["token_level_rewards"] = rewards
-    return metrics
+    return {**checked, **metrics}
 
 
 def compute_advantage(batch: DataProto, algo: DictConfig) -> None:

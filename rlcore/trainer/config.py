@@ -37,6 +37,7 @@ from rlcore.models.gguf import resolve_model_path
 from rlcore.rewards.manager import RewardConfig
 from rlcore.typed_config import ConfigError, merge_section, section_schema, to_section
 from rlcore.workers.config import ActorConfig, CriticConfig
+from rlcore.workers.mismatch import CheckConfig
 from rlcore.workers.reward_model import RewardModelConfig
 
 __all__ = ["ConfigError", "SECTIONS", "TRAINED_SECTIONS", "check_batch_split", "load_config", "mini_batch_rows",
@@ -100,6 +101,7 @@ class TrainerConfig:
     trajectory_groups: int = 2  # prompt groups of each step written to <run>/trajectories/ for rlcore.inspect; 0: off
     deterministic: bool = False  # torch's deterministic algorithms in driver and workers (+ cuBLAS / vLLM settings on GPU)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # stalled phases named, their stacks written
+    check: CheckConfig = field(default_factory=CheckConfig)  # the consistency check (rlcore.trainer.consistency)
 
     def __post_init__(self) -> None:
         for key, allowed in (("backend", ("ray", "local")), ("device", ("cpu", "cuda", "auto"))):

@@ -62,6 +62,7 @@ from rlcore.data.dataset import PromptLoader
 from rlcore.engines.seeding import derive_seed, set_deterministic
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
+from rlcore.trainer.consistency import ConsistencyCheck
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
     HF_DIR,
@@ -79,12 +80,21 @@ from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
 from rlcore.trainer.trajectories import TRAJECTORY_DIR, TrajectoryWriter
 from rlcore.trainer.watchdog import Watchdog
+from rlcore.workers.mismatch import read_check_config
 
 CONSOLE_KEYS = (
     "reward/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
     "actor/kl_loss", "actor/reward_kl_penalty", "critic/vf_loss", "sft/nll", "rm/loss", "rm/accuracy",
-    "val/pair_accuracy", "timing_s/step",
+    "val/pair_accuracy", "check/logprob_abs_diff_mean", "timing_s/step",
 )
+
+
+def consistency_check(cfg: DictConfig, workers: Workers) -> ConsistencyCheck:
+    """The run's ``trainer.check``; the weights of a hybrid rollout group are compared with the actor's
+    (engine servers are added by their recipe: ``run.check.watch``)."""
+    rollout, actor = workers.rollout, workers.trained.get("actor")
+    engines = rollout.weight_checksums if rollout is not None else None
+    return ConsistencyCheck(read_check_config(cfg), actor, engines)
 
 
 class Stateful(Protocol):
@@ -103,6 +113,7 @@ class TrainingRun:
         self.ckpt_dir = self.dir / "checkpoints"
         self.watchdog = Watchdog(t.watchdog, self.dir / "stalls")  # every timed stage (and step) has a deadline
         self.timer = Timer(watch=(self.watchdog.begin, self.watchdog.end))
+        self.check = consistency_check(cfg, workers)  # trainer vs sampler, every step (docs/correctness.md)
         self.last_val: dict[str, float] = {}
         self._failed = False  # the run's block ended by an exception
         self._exported_at: int | None = None  # the step of the last checkpoint this run exported
@@ -189,6 +200,8 @@ class TrainingRun:
         start = time.perf_counter()
         self.trajectories.write(step, batch)
         out["timing_s/trajectories"] = time.perf_counter() - start  # timed apart: no "throughput/" key for it
+        with self.timer("check"):
+            out.update(self.check.after_step(step, out))
         out.update(self.balance_metrics())
         out.update(self.timer.metrics())
         out["timing_s/step"] = time.perf_counter() - self._step_start

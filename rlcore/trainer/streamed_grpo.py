@@ -26,7 +26,12 @@ from rlcore.agentic import RolloutPool
 from rlcore.agentic.episode import Trajectory, mask_stale_tokens, to_dataproto
 from rlcore.agentic.runner import generate_prompts, stop_runners
 from rlcore.engines import RolloutConfig, SamplingSettings
-from rlcore.engines.server import engine_idle_metrics, start_engine_servers, stop_engine_servers
+from rlcore.engines.server import (
+    engine_idle_metrics,
+    engine_weight_checksums,
+    start_engine_servers,
+    stop_engine_servers,
+)
 from rlcore.models import ModelConfig
 from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
@@ -70,6 +75,7 @@ def train_on_streamed_episodes(cfg: DictConfig, start_runners: StartRunners, des
     with TrainingRun(cfg, workers, loader, validate_on_engines, state) as run:
         run.on_close(lambda: stop_engine_servers(engines))
         run.on_close(lambda: stop_runners(runners))
+        run.check.watch(lambda: engine_weight_checksums(engines))  # the consistency check's weight comparison
         workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
         pool = RolloutPool(runners, episode_tasks(run), cfg.rollout.n, a.groups_in_flight or groups,
                            max_staleness=a.max_staleness, max_ready=a.max_ready,
@@ -85,6 +91,7 @@ def train_on_streamed_episodes(cfg: DictConfig, start_runners: StartRunners, des
             batch = to_dataproto([t for group in played for t in group], tokenizer.pad_token_id, temperature,
                                  {"uid": uid, **columns})
             batch.meta_info.update(sampling.log_prob_meta())  # top-k / top-p too: the actor scores under them
+            batch.meta_info["policy_version"] = step - 1  # token_versions' lags, for the consistency check
             if a.max_token_staleness is not None:
                 metrics.update(mask_stale_tokens(batch, step - 1, a.max_token_staleness))
             if needs_old_log_prob(cfg):

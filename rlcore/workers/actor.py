@@ -28,11 +28,13 @@ its own, which it names in a ``batch_keys`` attribute (the DPO loss reads ``ref_
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
+from rlcore.algos.consistency import weight_checksums
 from rlcore.algos.importance import compute_is_weights
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.losses import LossScale, PolicyLossInput, agg_loss, get_policy_loss
@@ -49,10 +51,12 @@ from rlcore.workers.fsdp_utils import (
     build_lr_scheduler,
     build_optimizer,
     forward_micro_batches,
+    iter_full_tensors,
     mixed_precision_policy,
     setup_worker,
 )
 from rlcore.workers.lora import lora_scaling, merge_lora_tensors, trainable_parameters, wrap_lora
+from rlcore.workers.mismatch import MismatchCollector, read_check_config
 from rlcore.workers.moe import MoEActor, micro_share
 from rlcore.workers.precision import resolve_mixed_precision
 from rlcore.workers.response_head import install_response_head, scored_positions
@@ -74,6 +78,7 @@ class ActorWorker(FSDPTrainWorker):
         self.train_cfg = read_section(config, "actor", ActorConfig)
         self.policy_loss_fn = get_policy_loss(self.train_cfg.policy_loss)
         self.lora = role == "actor" and self.train_cfg.lora.enabled  # a ref is the base model, never adapted
+        self.mismatch = MismatchCollector(read_check_config(config))  # check/*: trainer vs sampler log-probs
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -166,16 +171,18 @@ class ActorWorker(FSDPTrainWorker):
             keys.append("ref_log_prob")
         if cfg.use_rollout_is:
             keys.append("rollout_log_probs")
-        keys += self._moe_keys(data)
+        keys += self._moe_keys(data) + self.mismatch.keys(data)
         try:
             selected = data.select(batch_keys=list(dict.fromkeys(keys)))
         except KeyError as e:
             hint = (" (it may be left out only when the update is one optimizer step: ppo_epochs=1 and "
                     "ppo_mini_batch_size null or the whole batch)") if "old_log_probs" in str(e) else ""
             raise KeyError(f"update_policy: {e.args[0]}{hint}") from None
+        self.mismatch.start(selected)  # from old_log_probs, or from the update's first forward (_loss)
         dropped = self._mask_mismatched(selected) if cfg.use_rollout_is and cfg.rollout_is_mode == "mask" else {}
         rows_with_grad = self._rows_with_grad() if "advantages" in have else None
-        return {**self.run_updates(selected, self._loss, "actor", rows_with_grad), **dropped}
+        metrics = {**self.run_updates(selected, self._loss, "actor", rows_with_grad), **dropped}
+        return {**metrics, **self.mismatch.finish(self.device)}
 
     def _rows_with_grad(self):
         """With ``skip_zero_advantage_rows``, the mask of rows that can move the policy: those with a
@@ -199,6 +206,9 @@ class ActorWorker(FSDPTrainWorker):
         cfg, b = self.train_cfg, data.batch
         mask = b["response_mask"]
         old = b["old_log_probs"] if "old_log_probs" in b.keys() else self._infer(data)["log_prob"].to(mask.device)
+        if self.mismatch.collecting:  # measured before the out-of-band tokens leave the mask
+            self.mismatch.add(old, data)
+            self.mismatch.collecting = False
         weights, metrics = compute_is_weights(old, b["rollout_log_probs"], mask, cap=cfg.rollout_is_cap,
                                               level=cfg.rollout_is_level, mode="mask", lower=cfg.rollout_is_lower)
         b["response_mask"] = mask * (weights > 0).to(mask.dtype)
@@ -215,6 +225,7 @@ class ActorWorker(FSDPTrainWorker):
         cfg, b = self.train_cfg, micro.batch
         mask = b["response_mask"]
         log_prob, entropy = self._forward(micro)
+        self.mismatch.add(log_prob, micro)  # single-step update: its first forward is the trainer's scoring
         # No old_log_probs: a single-step update (see update_policy), whose own log-probs are the old ones.
         old_log_prob = b["old_log_probs"] if "old_log_probs" in b.keys() else log_prob.detach()
         metrics: dict[str, float] = {}
@@ -258,6 +269,20 @@ class ActorWorker(FSDPTrainWorker):
         """A HF directory (weights, config, tokenizer) that from_pretrained and vLLM load (a LoRA
         actor's with its adapters merged in)."""
         fsdp_utils.export_hf(self.module, self.model_cfg.path, path, self.get_full_state_dict())
+
+    @register(Dispatch.COLLECTIVE_RANK_ZERO)
+    def weight_checksums(self, dtypes: dict[str, str] | None = None) -> dict[str, Any]:
+        """What an engine should hold (the consistency check): ``{"tensors": {HF name: (elements, sum,
+        sum of squares)}}`` of the weights ``get_full_state_dict`` would hand it, each cast to
+        ``dtypes[name]`` (the engine's), and ``"dtype"``, the one the log-probs are computed in.
+        Gathered one parameter at a time, as ``push_weights`` does; rank 0's answer."""
+        tensors = iter_full_tensors(self.module)
+        if self.rank != 0:
+            for _ in tensors:  # the same gathers in the same order as rank 0
+                pass
+            return {}
+        dtype = self.compute_dtype or str(next(self.module.parameters()).dtype).removeprefix("torch.")
+        return {"tensors": weight_checksums(self.engine_weights(tensors), dtypes), "dtype": dtype}
 
     def engine_weights(self, named):
         """A LoRA actor's entries merged into the base model's (``merge_lora_tensors``); a plain one's as they are."""

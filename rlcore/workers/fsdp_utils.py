@@ -45,6 +45,7 @@ from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
+from rlcore.workers.mismatch import STAND_IN
 from rlcore.workers.moe import router_mp_policy
 
 
@@ -443,7 +444,9 @@ class FSDPTrainWorker(Worker):
             total = torch.zeros((), device=self.device)
             trained = 0
             for ix, counts in self.trained_micro_batches(mini, rows_with_grad):
-                loss, micro_metrics = loss_fn(load_micro_batch(mini, ix, self.device)[0], scale)
+                micro = load_micro_batch(mini, ix, self.device)[0]
+                micro.meta_info = {**micro.meta_info, STAND_IN: not counts}  # a stand-in's statistics count nowhere
+                loss, micro_metrics = loss_fn(micro, scale)
                 if not counts:
                     loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
                 loss.backward()

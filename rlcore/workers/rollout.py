@@ -174,6 +174,11 @@ class RolloutWorker(Worker):
         self._require_engine().load_weights(state_dict)
         return {"rollout/weight_sync_s": time.perf_counter() - start}
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
+        """This rank's engine's ``Engine.weight_checksums`` (the consistency check compares them with the actor's)."""
+        return self._require_engine().weight_checksums()
+
     def _require_engine(self) -> Engine:
         if self.engine is None:
             raise RuntimeError("the rollout engine is not built yet: call init_model() first")

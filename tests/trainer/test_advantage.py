@@ -40,7 +40,8 @@ def test_kl_in_reward_subtracts_coef_times_k1_and_reports_the_batch_kl():
     metrics = compute_rewards(data, algo(use_kl_in_reward=True, kl_penalty="kl"), ctrl)
     # k1 = old - ref = [0.5, -1.0]; rewards = scores - 0.1 * k1
     torch.testing.assert_close(data.batch["token_level_rewards"], torch.tensor([[-0.05, 1.1]]))
-    assert metrics == {"actor/reward_kl_penalty": pytest.approx(-0.25), "actor/reward_kl_penalty_coeff": 0.1}
+    assert metrics == {"actor/reward_kl_penalty": pytest.approx(-0.25), "actor/reward_kl_penalty_coeff": 0.1,
+                       "check/nan_rewards": 0.0}  # every score finite (rlcore.trainer.consistency.check_rewards)
 
 
 def test_adaptive_controller_from_config_moves_towards_the_target():

@@ -1,0 +1,248 @@
+"""The consistency check's verdicts: is the run training on what it sampled, with the weights it sampled with?
+
+Measured every step at no extra forward pass (``rlcore.workers.mismatch``: the ``check/*`` metrics
+of the actor's update), plus, every ``trainer.check.weight_checksum_freq`` steps, at step 1 and
+on the step a log-prob band is first left (once per excursion), a checksum of every engine's weights against the trainer's
+(``rlcore.algos.consistency``). Rewards that are NaN or infinite are refused by name
+(``check_rewards``), never turned into numbers.
+
+When a measure leaves its band the run warns once per cause, naming the likely one from what was
+measured, in this order (docs/correctness.md, "Consistency check"):
+
+1. weights: tensors whose checksum differs from the trainer's. All of them: the engine was not
+   synced; some: a partial sync (a bucket skipped or failed to load), naming the tensors.
+2. one-sided log-probs: the sampler's log-probs above the trainer's (or below) on nearly every
+   token by a steady margin: one side scores a top-p/top-k truncated distribution and the other the
+   full one ("top-p/top-k log-probs not processed" alike).
+3. later turns only: first-turn tokens agree, later turns differ: the trainer scores a context the
+   sampler never saw, a chat template re-rendered (re-tokenised) earlier turns.
+4. dtype: the engine's weights and the trainer's compute dtype differ (bf16 engine, fp32 trainer):
+   symmetric numeric noise.
+5. precision: both sides in bf16 (or fp16), symmetric noise: different kernels at low precision.
+6. otherwise: unexplained, with what was ruled out.
+
+``trainer.check.strict=true`` raises ``ConsistencyError`` instead of warning.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlcore.algos.consistency import compare_checksums
+from rlcore.engines.weights import layer_of
+from rlcore.protocol import DataProto
+from rlcore.workers.mismatch import CheckConfig
+
+ONE_SIDED = 0.9  # |mean of d| / mean of |d| above this: the same sign on (nearly) every token
+LATER_TURNS = 10.0  # later turns' mean |d| this many times the first turn's: the context differs
+SHOWN = 5  # names listed in a message
+DESCRIBING_COLUMNS = ("data_source", "reward_fn", "env", "agent", "uid", "engine")
+
+
+class ConsistencyError(RuntimeError):
+    """The trainer and the sampler disagree (``trainer.check.strict``), or a reward is not a finite number."""
+
+
+@dataclass
+class WeightReport:
+    """One comparison of the engines' weights with the trainer's."""
+
+    step: int
+    tensors: int  # tensors the trainer holds
+    differ: list[str]  # names that differ on at least one engine (engine index in ``where``)
+    missing: list[str]
+    where: dict[str, list[int]]
+    engine_dtype: str | None
+    trainer_dtype: str | None
+
+    @property
+    def ok(self) -> bool:
+        return not self.differ and not self.missing
+
+    def metrics(self) -> dict[str, float]:
+        return {"check/weights_mismatch": float(len(self.differ) + len(self.missing)),
+                "check/weights_checked": float(self.tensors)}
+
+
+def compare_weights(step: int, trainer: dict[str, Any], engines: Sequence[dict[str, tuple]]) -> WeightReport:
+    """``trainer``: the actor's ``weight_checksums`` reply; ``engines``: each engine's checksums."""
+    where: dict[str, list[int]] = {}
+    missing: set[str] = set()
+    for i, engine in enumerate(engines):
+        found = compare_checksums(trainer["tensors"], {name: tuple(c[1:]) for name, c in engine.items()})
+        for name in found["differ"]:
+            where.setdefault(name, []).append(i)
+        missing.update(found["missing"])
+    dtypes = Counter(c[0] for engine in engines for c in engine.values())
+    return WeightReport(step, len(trainer["tensors"]), sorted(where), sorted(missing), where,
+                        dtypes.most_common(1)[0][0] if dtypes else None, trainer.get("dtype"))
+
+
+def diagnose(m: dict[str, float], weights: WeightReport | None,
+             dtypes: tuple[str | None, str | None] = (None, None)) -> tuple[str, str]:
+    """(cause key, message) for measures out of band: see the module docstring for the order.
+    ``weights``: this step's comparison, if one ran; ``dtypes``: (engine, trainer) as last reported."""
+    if weights is not None and not weights.ok:
+        bad = weights.differ + weights.missing
+        units = Counter(layer_of(name) for name in bad)  # a bucket keeps a decoder layer whole
+        shown = "; ".join(f"{unit}.* ({count})" if count > 1 else unit for unit, count in units.items())
+        shown += " - e.g. " + ", ".join(bad[:3])
+        engines = sorted({i for hit in weights.where.values() for i in hit})
+        shown += f"; on engine(s) {engines}" if engines else ""
+        if len(bad) >= weights.tensors:
+            return "weights_not_synced", (f"weights not synced: all {weights.tensors} tensors of the engine differ from "
+                                          f"the trainer's (checked at step {weights.step}); the engine samples with "
+                                          "old weights (a missing or failed sync after an update)")
+        return "weights_partial", (f"weights partly synced: {len(bad)} of {weights.tensors} tensors differ from the "
+                                   f"trainer's on the engine ({shown}; checked at step {weights.step}): a weight "
+                                   "bucket was skipped or failed to load")
+    key = "check/logprob_abs_diff_mean"
+    abs_mean, signed = m.get(key, 0.0), m.get("check/logprob_diff_mean", 0.0)
+    if abs_mean > 0 and abs(signed) >= ONE_SIDED * abs_mean:
+        side = "above" if signed < 0 else "below"
+        how = ("the sampler reports its processed (truncated) distribution and the trainer scores the full one"
+               if signed < 0 else "the trainer truncates and the sampler reports the full distribution")
+        return "top_p_top_k", (f"top-p/top-k log-probs not processed alike: the sampler's log-probs are {side} the "
+                               f"trainer's on nearly every token, by {abs(signed):.3g} nats on average: {how} "
+                               "(the actor must get the rollout's top_p / top_k in meta_info)")
+    first, later = m.get(key + "/turn_first"), m.get(key + "/turn_later")
+    if later is not None and first is not None and later > LATER_TURNS * max(first, 1e-6):
+        return "template", (f"template re-tokenised earlier turns: first-turn tokens agree (mean |diff| {first:.3g}) "
+                            f"but later turns differ ({later:.3g}): the trainer scores a context the sampler did not "
+                            "see (a chat template that re-renders or drops earlier turns' content)")
+    if None not in dtypes and dtypes[0] != dtypes[1]:
+        return "dtype", (f"dtype differs (engine {dtypes[0]}, trainer {dtypes[1]}): symmetric numeric noise of "
+                         f"{abs_mean:.3g} nats per token; train and sample in one dtype, correct it with "
+                         "actor.use_rollout_is, or widen trainer.check.max_abs_diff_mean")
+    low = ("bfloat16", "float16")
+    if dtypes[0] in low and dtypes[0] == dtypes[1] and abs(signed) < 0.5 * abs_mean:
+        return "precision", (f"numeric noise of {dtypes[0]} on both sides: engine and trainer compute in {dtypes[0]} "
+                             f"with different kernels, {abs_mean:.3g} nats per token apart; expected at this precision "
+                             "(widen trainer.check.max_abs_diff_mean, or correct it with actor.use_rollout_is)")
+    checked = (f"the weights match (checked at step {weights.step}) and both sides use {dtypes[0]}"
+               if weights is not None else "weights not checked this step")
+    return "unexplained", (f"trainer and sampler disagree (mean |diff| {abs_mean:.3g} nats) with no cause measured: "
+                           f"{checked}; not one-sided (top-p/top-k) and not confined to later turns")
+
+
+def out_of_band(m: dict[str, float], cfg: CheckConfig) -> list[str]:
+    """The measures out of their band, as text. Where tokens carry versions, only the current
+    version's (lag 0) are judged: older tokens differ by the policy's own change, as they should."""
+    lag = "/lag_0" if "check/tokens/lag_0" in m else ""
+    if lag == "" and any(k.startswith("check/tokens/lag_") for k in m):
+        return []  # only stale tokens this step: nothing the check can compare
+    found = []
+    abs_mean = m.get("check/logprob_abs_diff_mean" + lag)
+    share = m.get("check/ratio_out_of_band" + lag)
+    if abs_mean is not None and abs_mean > cfg.max_abs_diff_mean:
+        found.append(f"mean |trainer - sampler| log-prob {abs_mean:.3g} > {cfg.max_abs_diff_mean:g}")
+    if share is not None and share > cfg.max_out_of_band:
+        lo, hi = cfg.ratio_band
+        found.append(f"{share:.1%} of tokens with a ratio outside [{lo:g}, {hi:g}] > {cfg.max_out_of_band:.1%}")
+    return found
+
+
+def stamp_row_versions(batch: DataProto, current_version: int, key: str = "policy_version") -> None:
+    """Rows tagged with the policy version that sampled them (non-tensor ``key``, as the replay buffer
+    tags them): every response token gets its row's version (``token_versions``) and the batch the
+    trainer's (``meta_info["policy_version"]``), so the check judges only current-version tokens
+    and reports the stale ones by lag."""
+    rows = torch.as_tensor(batch.non_tensor_batch[key].astype("int64"))
+    batch.batch["token_versions"] = rows[:, None].expand_as(batch.batch["responses"]).clone()
+    batch.meta_info["policy_version"] = int(current_version)
+
+
+def check_rewards(batch: DataProto, key: str = "token_level_scores") -> dict[str, float]:
+    """Refuse NaN / infinite rewards by name (rows, and the columns that say where they came from);
+    ``check/nan_rewards`` (0) when every reward is finite."""
+    scores = batch.batch[key]
+    bad = ~torch.isfinite(scores)
+    if scores.dim() > 1:
+        bad = bad.any(dim=-1)
+    rows = torch.nonzero(bad).flatten().tolist()
+    if not rows:
+        return {"check/nan_rewards": 0.0}
+    described = []
+    for row in rows[:SHOWN]:
+        cols = {c: batch.non_tensor_batch[c][row] for c in DESCRIBING_COLUMNS if c in batch.non_tensor_batch}
+        value = scores[row][~torch.isfinite(scores[row])][0] if scores.dim() > 1 else scores[row]
+        described.append(f"row {row} ({float(value)}" + "".join(f", {c}={v!r}" for c, v in cols.items()) + ")")
+    more = f" and {len(rows) - SHOWN} more" if len(rows) > SHOWN else ""
+    raise ConsistencyError(f"{len(rows)} non-finite reward(s) in {key}: {'; '.join(described)}{more}. A reward must be a "
+                           "finite number; the reward function or env that produced it is at fault, and it is not "
+                           "replaced by a number")
+
+
+class ConsistencyCheck:
+    """Judges each step's ``check/*`` metrics and, when due, the engines' weights; warns once per
+    cause or raises (strict). ``engines``: a callable returning each engine's weight checksums
+    (``RolloutWorker.weight_checksums`` of a hybrid group; ``engine_weight_checksums`` of servers),
+    set with ``watch`` when the engines come later than the run."""
+
+    def __init__(self, cfg: CheckConfig, actor: Any = None, engines: Callable[[], list[dict]] | None = None,
+                 out: Any = None) -> None:
+        self.cfg, self.actor, self.engines = cfg, actor, engines
+        self.out = out or sys.stderr
+        self.warned: dict[str, str] = {}  # cause key -> message, each warned once
+        self.last_weights: WeightReport | None = None
+        self._out = False  # the last step left a band
+        self._unsupported: str | None = None
+
+    def watch(self, engines: Callable[[], list[dict]]) -> None:
+        self.engines = engines
+
+    def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """After the step's sync: judge it; returns the metrics it adds (``check/weights_*``)."""
+        if not self.cfg.enable or "check/tokens" not in metrics:
+            return {}  # no sampled tokens trained on this step (SFT, reward model): nothing was to be synced
+        found = out_of_band(metrics, self.cfg)
+        freq = self.cfg.weight_checksum_freq
+        due = freq > 0 and (step == 1 or step % freq == 0)  # by step number, which a resumed run continues
+        # a band just left (the step before was inside): compare the weights now, once per excursion
+        new_excursion, self._out = bool(found) and not self._out, bool(found)
+        added: dict[str, float] = {}
+        checked = (due or new_excursion) and self.can_check_weights() and self.check_weights(step) is not None
+        if checked and (due or not self.last_weights.ok):  # a resumed run logs what an uninterrupted one did
+            added = self.last_weights.metrics()
+            if not self.last_weights.ok:
+                found.append(f"{added['check/weights_mismatch']:g} engine tensor(s) differ from the trainer's")
+        if found:
+            last = self.last_weights
+            dtypes = (last.engine_dtype, last.trainer_dtype) if last is not None else (None, None)
+            cause, message = diagnose(metrics, last if checked else None, dtypes)
+            self.report(step, cause, f"{'; '.join(found)}. Likely cause: {message}")
+        return added
+
+    def can_check_weights(self) -> bool:
+        return self.actor is not None and self.engines is not None and self._unsupported is None
+
+    def check_weights(self, step: int) -> WeightReport | None:
+        """Compare every engine's weights with the trainer's now (``last_weights``); None when the
+        engines cannot report checksums (said once, then off for the run)."""
+        engines = self.engines()
+        if any(engine is None for engine in engines):  # an engine whose weights have no HF names to compare
+            self._unsupported = "the rollout engine does not report weight checksums"
+            print(f"consistency check: weight checksums off for this run ({self._unsupported}; the log-prob "
+                  "measures stay on)", file=self.out, flush=True)
+            return None
+        dtypes = {name: c[0] for name, c in engines[0].items()} if engines else {}
+        trainer = self.actor.weight_checksums(dtypes)
+        trainer = trainer[0] if isinstance(trainer, list) else trainer
+        self.last_weights = compare_weights(step, trainer, engines)
+        return self.last_weights
+
+    def report(self, step: int, cause: str, message: str) -> None:
+        text = f"consistency check, step {step}: {message}"
+        if self.cfg.strict:
+            raise ConsistencyError(text + " (trainer.check.strict=true)")
+        if cause not in self.warned:
+            self.warned[cause] = text
+            print(f"WARNING {text} (warned once per cause; trainer.check.strict=true stops the run)",
+                  file=self.out, flush=True)
+
