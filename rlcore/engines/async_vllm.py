@@ -205,6 +205,13 @@ class AsyncVLLMEngine(AsyncEngine):
                 "engine/weight_bytes": float(u["bytes"]), "engine/peak_bucket_bytes": float(u["peak"]),
                 "engine/policy_version": float(self.policy_version)}
 
+    async def weight_checksums(self) -> dict[str, tuple[str, int, float, float] | None] | None:
+        """Read back in vLLM's worker (``BucketLoader.weight_checksums``, ``rlcore.engines.vllm_checksums``):
+        ``None`` for a name whose layer keeps only a packed CPU kernel, ``None`` overall for a layout not mapped."""
+        if self._update is not None:
+            raise RuntimeError("weight_checksums during a weight update")
+        return (await self.llm.collective_rpc("weight_checksums"))[0]
+
     async def close(self) -> None:
         llm, self.llm = self.llm, None
         if llm is not None:

@@ -42,6 +42,7 @@ from rlcore.engines import routing
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
 from rlcore.engines.dtype_choice import default_vllm_dtype
 from rlcore.engines.seeding import CallSeeds, derive_seed
+from rlcore.engines.vllm_checksums import engine_checksums
 from rlcore.engines.vllm_logs import quiet_vllm_logs
 from rlcore.engines.vllm_worker import drop_dense_parallel_groups, in_place_plan, reload_weights
 from rlcore.models.config import ModelConfig, torch_dtype
@@ -168,6 +169,11 @@ class VLLMEngine(Engine):
         # which path, the seconds vLLM's own packing of the layers took, layers packed / plain (benchmarks/rollout.py)
         self.last_sync_path, self.last_pack_s, self.weight_layouts = self.llm.collective_rpc(reload)[0]
         self.llm.reset_prefix_cache()
+
+    def weight_checksums(self) -> dict[str, tuple[str, int, float, float] | None] | None:
+        """Read back in vLLM's worker (``rlcore.engines.vllm_checksums``): ``None`` for a name whose
+        layer keeps only a packed CPU kernel (unreadable), ``None`` overall for a layout not mapped."""
+        return self.llm.collective_rpc(lambda worker: engine_checksums(worker.model_runner.get_model()))[0]
 
 
 def _hf_parameter_names(path: str) -> set[str]:

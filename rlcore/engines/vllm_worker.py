@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore.engines.base import CPU_WEIGHT_LAYOUTS
+from rlcore.engines.vllm_checksums import engine_checksums
 
 PLAIN_TOLERANCE = 1.05  # auto: a layer goes plain if that measures at most 5% slower than vLLM's packed kernel
 
@@ -41,6 +42,10 @@ class BucketLoader:
             tensors.append((name, buffer[offset:offset + size].view(dt).view(shape)))
         reload_weights(self.model_runner, tensors, layout, decode_rows)
         return len(tensors)
+
+    def weight_checksums(self) -> dict | None:
+        """The consistency check's read-back of this worker's weights (``rlcore.engines.vllm_checksums``)."""
+        return engine_checksums(self.model_runner.get_model())
 
 
 def reload_weights(model_runner, named_tensors, layout: str = "packed", decode_rows: int = 0) -> str:

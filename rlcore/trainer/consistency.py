@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -54,34 +54,44 @@ class WeightReport:
     """One comparison of the engines' weights with the trainer's."""
 
     step: int
-    tensors: int  # tensors the trainer holds
+    tensors: int  # tensors compared: the trainer's, less those an engine could not read back
     differ: list[str]  # names that differ on at least one engine (engine index in ``where``)
     missing: list[str]
     where: dict[str, list[int]]
     engine_dtype: str | None
     trainer_dtype: str | None
+    unreadable: list[str] = field(default_factory=list)  # on some engine, kept only packed: not compared
 
     @property
     def ok(self) -> bool:
         return not self.differ and not self.missing
 
     def metrics(self) -> dict[str, float]:
-        return {"check/weights_mismatch": float(len(self.differ) + len(self.missing)),
-                "check/weights_checked": float(self.tensors)}
+        out = {"check/weights_mismatch": float(len(self.differ) + len(self.missing)),
+               "check/weights_checked": float(self.tensors)}
+        if self.unreadable:
+            out["check/weights_unreadable"] = float(len(self.unreadable))
+        return out
 
 
 def compare_weights(step: int, trainer: dict[str, Any], engines: Sequence[dict[str, tuple]]) -> WeightReport:
     """``trainer``: the actor's ``weight_checksums`` reply; ``engines``: each engine's checksums."""
     where: dict[str, list[int]] = {}
     missing: set[str] = set()
+    # an entry None: the engine keeps that tensor only in a form it cannot read back (vLLM's packed
+    # CPU matmul kernels); it is neither compared nor missing, only counted
+    unreadable = {name for engine in engines for name, c in engine.items() if c is None}
     for i, engine in enumerate(engines):
-        found = compare_checksums(trainer["tensors"], {name: tuple(c[1:]) for name, c in engine.items()})
+        readable = {name: tuple(c[1:]) for name, c in engine.items() if c is not None}
+        compared = {name: c for name, c in trainer["tensors"].items() if name not in unreadable}
+        found = compare_checksums(compared, readable)
         for name in found["differ"]:
             where.setdefault(name, []).append(i)
         missing.update(found["missing"])
-    dtypes = Counter(c[0] for engine in engines for c in engine.values())
-    return WeightReport(step, len(trainer["tensors"]), sorted(where), sorted(missing), where,
-                        dtypes.most_common(1)[0][0] if dtypes else None, trainer.get("dtype"))
+    dtypes = Counter(c[0] for engine in engines for c in engine.values() if c is not None)
+    return WeightReport(step, len(trainer["tensors"].keys() - unreadable), sorted(where), sorted(missing), where,
+                        dtypes.most_common(1)[0][0] if dtypes else None, trainer.get("dtype"),
+                        sorted(unreadable & trainer["tensors"].keys()))
 
 
 def diagnose(m: dict[str, float], weights: WeightReport | None,
@@ -193,6 +203,7 @@ class ConsistencyCheck:
         self.last_weights: WeightReport | None = None
         self._out = False  # the last step left a band
         self._unsupported: str | None = None
+        self._said_unreadable = False
 
     def watch(self, engines: Callable[[], list[dict]]) -> None:
         self.engines = engines
@@ -231,10 +242,17 @@ class ConsistencyCheck:
             print(f"consistency check: weight checksums off for this run ({self._unsupported}; the log-prob "
                   "measures stay on)", file=self.out, flush=True)
             return None
-        dtypes = {name: c[0] for name, c in engines[0].items()} if engines else {}
+        dtypes = {name: c[0] for name, c in engines[0].items() if c is not None} if engines else {}
         trainer = self.actor.weight_checksums(dtypes)
         trainer = trainer[0] if isinstance(trainer, list) else trainer
         self.last_weights = compare_weights(step, trainer, engines)
+        unread = len(self.last_weights.unreadable)
+        if unread and not self._said_unreadable:
+            self._said_unreadable = True
+            print(f"consistency check: {unread} tensor(s) could not be read back from the engine (kept only as "
+                  f"packed CPU matmul kernels, e.g. {self.last_weights.unreadable[0]}) and are not compared; "
+                  f"{self.last_weights.tensors} are (rollout.cpu_weight_layout=plain makes every one readable)",
+                  file=self.out, flush=True)
         return self.last_weights
 
     def report(self, step: int, cause: str, message: str) -> None:
