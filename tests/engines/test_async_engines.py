@@ -636,3 +636,38 @@ def test_vllm_update_in_flight_switches_versions_mid_response(vllm_engine, vllm_
     after = vllm_loop.run_until_complete(fresh())  # a request after the update: all new
     assert after.token_ids == reference(hf_new, prompt, long)[0]
     assert after.policy_versions == [version] * VLLM_MAX_NEW
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_weight_checksums_after_a_bucketed_update_equal_the_trainers(vllm_engine, vllm_loop, new_state, model_dir):
+    """The consistency check's read-back through AsyncLLM's worker (``BucketLoader.weight_checksums``):
+    after an update in buckets, every HF tensor (fused q/k/v and gate/up parts included) matches
+    the trainer's checksums; a tensor of another model is named. Refused during an update."""
+    from rlcore.algos.consistency import weight_checksums
+    from rlcore.trainer.consistency import compare_weights
+
+    original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    version = vllm_engine.policy_version + 1
+
+    async def run():
+        await vllm_engine.update_weights(pack_buckets(new_state.items(), VLLM_BUCKET), version)
+        sums = await vllm_engine.weight_checksums()
+        await vllm_engine.begin_update(version + 1)
+        try:
+            with pytest.raises(RuntimeError, match="during a weight update"):
+                await vllm_engine.weight_checksums()
+        finally:
+            for bucket in pack_buckets(original.items(), VLLM_BUCKET):
+                await vllm_engine.load_bucket(bucket)
+            await vllm_engine.finish_update()
+        return sums
+
+    sums = vllm_loop.run_until_complete(run())
+    assert all(sums[name] is not None for name in new_state)  # plain layout: every tensor readable
+    dtypes = {name: c[0] for name, c in sums.items()}
+    report = compare_weights(1, {"tensors": weight_checksums(new_state.items(), dtypes)}, [sums])
+    assert report.ok and report.tensors == len(new_state) and report.unreadable == []
+    changed = {name for name in new_state if not torch.equal(new_state[name], original[name])}
+    stale = compare_weights(1, {"tensors": weight_checksums(original.items(), dtypes)}, [sums])
+    assert set(stale.differ) == changed and changed
