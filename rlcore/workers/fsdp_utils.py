@@ -72,9 +72,11 @@ class ScalarHeadModel(nn.Module):
         super().__init__()
         self.backbone, self.head = backbone, head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        """``kwargs``: the attention kernel's own keywords (a pack's row boundaries, rlcore.workers.packing)."""
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         ).last_hidden_state
         return self.head(hidden).squeeze(-1).clone()  # FSDP2 warns about view outputs
 

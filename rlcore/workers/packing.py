@@ -1,0 +1,211 @@
+"""Packed micro-batches: the valid tokens of a micro-batch's rows laid end to end in one sequence.
+
+Why: a padded micro-batch (B, T) computes every layer at B x T positions, of which only the
+attention-mask ones are real; prompts are left-padded to the longest prompt and responses
+right-padded to the longest response, so with skewed lengths half the work can be padding.
+Packed, the model runs on (1, N) with N the number of valid tokens, and nothing else changes:
+
+- positions: each token keeps its own row's ``position_ids`` (they restart at 0 per row), so RoPE
+  sees exactly what it saw padded;
+- attention: kept inside each row by the row boundaries ``cu_seqlens`` (flash-attention's varlen
+  convention), handed to the attention kernel through the model's forward keywords
+  (``cu_seq_lens_q`` ...; transformers passes them down to every attention call). No (N x N) mask is
+  ever built: the kernel registered here as ``PACKED_ATTENTION`` runs causal attention per row.
+
+The kernel (``packed_attention``): on CUDA, torch's varlen flash attention (one call for the whole
+pack) where this torch has it; elsewhere one ``scaled_dot_product_attention`` call per row on its
+slice of the pack (causal, GQA-aware), which on CPU is the flash kernel over the row's own length.
+``model.attn_implementation=flash_attention_2`` (the flash-attn package) is used as it is: it reads
+the same keywords. docs/workers.md ("Packed sequences") has the measurements behind the choice.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from rlcore.models.config import ModelConfig
+from rlcore.workers.response_head import scored_positions
+
+PACKED_ATTENTION = "rlcore_packed"  # the attn_implementation name the trained roles load with when packing
+
+try:  # torch >= 2.9 on CUDA: one varlen flash-attention call for the whole pack
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One micro-batch's rows, packed. ``index``: each packed token's flat position in the padded
+    (B, T) layout; ``cu_seqlens``: row boundaries in the pack (rows without tokens left out)."""
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N)
+    index: torch.Tensor  # (N,) int64 flat indices into B * T
+    cu_seqlens: torch.Tensor  # (R + 1,) int32
+    max_len: int
+    shape: tuple[int, int]  # the padded (B, T)
+    slot: torch.Tensor  # (B, T) int64: each padded position's index in the pack, -1 on padding
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.index.numel())
+
+    def model_kwargs(self) -> dict:
+        """The forward's keywords: the packed tokens, their own positions, no attention mask, and the row
+        boundaries that the attention kernels read (transformers' flash-attention keyword names)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                "cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": self.max_len, "max_length_k": self.max_len}
+
+    def gather(self, padded: torch.Tensor) -> torch.Tensor:
+        """A (B, T, ...) tensor aligned with the tokens, packed to (1, N, ...)."""
+        if tuple(padded.shape[:2]) != self.shape:
+            raise ValueError(f"Packed.gather: expected a ({self.shape[0]}, {self.shape[1]}, ...) tensor, "
+                             f"got {tuple(padded.shape)}")
+        return padded.flatten(0, 1)[self.index].unsqueeze(0)
+
+    def last_positions(self) -> torch.Tensor:
+        """(B,) each row's last token's index in the pack (its rightmost valid position)."""
+        last = torch.where(self.slot >= 0, self.slot, self.slot.new_full((), -1)).amax(1)
+        if bool((last < 0).any()):
+            raise ValueError("Packed.last_positions: a row has no valid token")
+        return last
+
+    def response_targets(self, response_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keep, where)`` for scoring the last ``response_width`` columns: ``where`` (B, T_r) marks the
+        response tokens that are valid and follow a valid token, ``keep`` (K,) the pack index of the
+        token before each (the position whose output predicts or values it), in ``where``'s row-major
+        order, so ``out[where] = values_at(keep)`` puts the results back in the padded layout."""
+        before = self.slot[:, -response_width - 1:-1]
+        where = (self.slot[:, -response_width:] >= 0) & (before >= 0)
+        return before[where], where
+
+    def scatter_responses(self, values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """(K, ...) values of ``response_targets``' tokens into a zero (B, T_r, ...) tensor."""
+        out = values.new_zeros((*where.shape, *values.shape[1:]))
+        out[where] = values
+        return out
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> Packed:
+    """Pack the valid (``attention_mask`` 1) tokens of each (B, T) row, row after row.
+
+    A row's valid tokens must run without a gap (left-padded prompt, right-padded response: the
+    rollout layout); a masked hole inside a row would join its two sides, which the padded forward
+    keeps apart by the mask only in the keys, so it is refused."""
+    if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape or position_ids.shape != input_ids.shape:
+        raise ValueError(f"pack: input_ids, attention_mask and position_ids must be the same (B, T) shape, got "
+                         f"{tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(position_ids.shape)}")
+    valid = attention_mask.bool()
+    lengths = valid.sum(1)
+    gapless = (valid.to(torch.int8).diff(dim=1) == 1).sum(1) <= (valid[:, 0] == 0).to(torch.int64)
+    if not bool(gapless.all()):
+        row = int((~gapless).nonzero()[0])
+        raise ValueError(f"pack: row {row}'s attention_mask has a hole between valid tokens; packing needs each "
+                         "row's tokens contiguous (set model.use_remove_padding=false for such batches)")
+    index = valid.flatten().nonzero().squeeze(1)
+    slot = torch.full(valid.shape, -1, dtype=torch.int64, device=valid.device)
+    slot.view(-1)[index] = torch.arange(index.numel(), device=valid.device)
+    nonempty = lengths[lengths > 0]
+    cu_seqlens = F.pad(nonempty.cumsum(0, dtype=torch.int32), (1, 0))
+    return Packed(input_ids=input_ids.flatten()[index].unsqueeze(0), position_ids=position_ids.flatten()[index].unsqueeze(0),
+                  index=index, cu_seqlens=cu_seqlens, max_len=int(nonempty.max()) if len(nonempty) else 0,
+                  shape=(int(valid.shape[0]), int(valid.shape[1])), slot=slot)
+
+
+def load_kwargs(model_cfg: ModelConfig) -> dict:
+    """``from_pretrained`` keywords of a trained role: ``model_cfg``'s, with the packed attention kernel
+    when ``model.use_remove_padding`` (``flash_attention_2``, when chosen, reads packs as it is)."""
+    kwargs = model_cfg.load_kwargs()
+    if model_cfg.use_remove_padding and kwargs.get("attn_implementation") != "flash_attention_2":
+        kwargs["attn_implementation"] = PACKED_ATTENTION
+    return kwargs
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What a forward that reads one output per response token needs, padded or packed: the model's
+    keywords, ``keep`` (the positions whose outputs are read: ``logits_to_keep``), the response tokens
+    they predict (``labels``, (B, T_r) padded, (1, K) packed) and ``where`` (packed: the (B, T_r)
+    entries the K outputs go back to; None padded)."""
+
+    kwargs: dict
+    keep: torch.Tensor
+    labels: torch.Tensor
+    where: torch.Tensor | None
+    packed: Packed | None
+
+    def per_response(self, outputs: torch.Tensor) -> torch.Tensor:
+        """(B, T_r, ...) from the model's outputs at ``keep``: as they are padded; packed, scattered back
+        into zeros (the response padding, which no caller reads)."""
+        return outputs if self.where is None else self.packed.scatter_responses(outputs[0], self.where)
+
+
+def response_inputs(batch, packing: bool) -> ForwardInputs:
+    """The forward's inputs for a micro-batch in the rollout layout (input_ids, attention_mask,
+    position_ids, responses), packed when ``packing``."""
+    ids, responses = batch["input_ids"], batch["responses"]
+    t_r = responses.shape[1]
+    if not packing:
+        keep = scored_positions(ids.shape[1], t_r, ids.device)
+        kwargs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "position_ids": batch["position_ids"]}
+        return ForwardInputs(kwargs, keep, responses, None, None)
+    packed = pack(ids, batch["attention_mask"], batch["position_ids"])
+    keep, where = packed.response_targets(t_r)
+    return ForwardInputs(packed.model_kwargs(), keep, responses[where].unsqueeze(0), where, packed)
+
+
+# ----------------------------------------------------------------------------- the attention kernel
+def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: ``query`` (1, H, N, D), ``key``/``value``
+    (1, H_kv, N, D) of a pack; returns (1, N, H, D). Causal attention within each row of
+    ``kwargs["cu_seq_lens_q"]``; without it (an unpacked call, e.g. one padded row) the whole
+    sequence is one row, and a padding mask is refused rather than ignored."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if attention_mask is not None:
+        raise ValueError(f"{PACKED_ATTENTION} attention takes packed rows without a mask (rlcore.workers.packing.pack)")
+    if getattr(module, "sliding_window", None):
+        raise ValueError(f"{PACKED_ATTENTION} attention has no sliding window: load this model with another "
+                         "attn_implementation (model.use_remove_padding=false)")
+    if query.shape[0] != 1 and cu is not None:
+        raise ValueError(f"{PACKED_ATTENTION} attention expects one packed sequence, got batch {query.shape[0]}")
+    dropout = dropout if module.training else 0.0
+    if cu is None:
+        out = _sdpa(query, key, value, scaling, dropout)
+    elif query.is_cuda and _varlen_attn is not None and dropout == 0.0:
+        out = _varlen(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling)
+    else:
+        bounds = cu.tolist()
+        out = torch.cat([_sdpa(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout)
+                         for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+            scale: float | None) -> torch.Tensor:
+    """torch's varlen flash attention over the whole pack; its causal argument is named differently
+    across torch releases (``is_causal`` earlier, ``window_size=(-1, 0)`` later)."""
+    if k.shape[1] != q.shape[1]:  # GQA: expand the KV heads (older releases lack enable_gqa)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, H, D)
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    causal = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else {"window_size": (-1, 0)}
+    out = _varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal)
+    return out.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
+
+
+_VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else set()
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
