@@ -96,6 +96,7 @@ def main(argv=None) -> dict:
             report["seconds"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
             continue
         report["seconds"][name] = statistics.median(times[1:])
+        print(f"{name}: {report['seconds'][name]:.3f} s (runs {[round(t, 3) for t in times]})", flush=True)
         if reference is None:
             reference = out
         else:
