@@ -1,20 +1,23 @@
 """Padded vs packed forward + backward of a causal LM, per attention kernel: the measurement behind
 ``model.use_remove_padding`` and the packed attention kernel (rlcore.workers.packing).
 
-    python -m benchmarks.packing [--layers 30] [--rows 16] [--repeats 3] [--dtype bfloat16]
+    python -m benchmarks.packing [--layers 30] [--rows 16] [--max-response 256] [--repeats 3] [--dtype bfloat16]
 
 A SmolLM2-135M-shaped Llama (hidden 576, 9 heads, 3 KV heads; random weights, ``--layers`` of them)
 runs one forward and backward on ``--rows`` rows with GRPO-like skewed lengths (prompts 20-60
-tokens left-padded, responses 8-256 right-padded; fixed seed) in each way:
+tokens left-padded, responses 8 to ``--max-response`` right-padded; fixed seed) in each way:
 
-- padded ``eager`` and ``sdpa``: the (B, T) batch with its attention mask (what the workers did);
-- packed ``rlcore_packed``: the valid tokens as one (1, N) sequence, causal SDPA per row;
-- packed ``flex_attention``: transformers' block mask over the pack (compiled by torch on first use;
-  reported only when it runs here).
+- padded ``eager`` and ``sdpa``: the (B, T) batch with its attention mask (the unpacked path);
+- packed ``rlcore_packed``: the valid tokens as one (1, N) sequence, the pack's rows side by side in
+  one causal SDPA call (``rlcore.workers.packing``);
+- packed, one causal SDPA call per row (the alternative it was measured against);
+- packed ``flex_attention`` (``--flex``): transformers' block mask over the pack (on CPU, torch 2.13
+  refuses its backward: recorded as failed).
 
-Reports the median seconds of ``--repeats`` runs after a warm-up, the padding share, and the largest
-difference of the packed outputs from the padded eager ones at the valid positions. Timing is
-reported, never asserted (the test suite runs ``--quick`` for a smoke check).
+The ways run interleaved, ``--repeats`` times after a warm-up; reported are the medians of the wall
+seconds and of this process's CPU seconds (steadier than wall time on a shared machine), the padding
+share, and the largest difference of each way's hidden states from padded eager at the valid
+positions. Timing is reported, never asserted (the test suite runs ``--quick`` for a smoke check).
 """
 
 from __future__ import annotations
@@ -25,9 +28,12 @@ import statistics
 import time
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import torch.nn.functional as F
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from rlcore.workers.packing import PACKED_ATTENTION, pack
+
+PER_ROW = "bench_sdpa_per_row"
 
 
 def make_batch(rows: int, seed: int, max_prompt: int = 60, max_response: int = 256, vocab: int = 49152):
@@ -50,15 +56,29 @@ def build(layers: int, attn: str, dtype: torch.dtype, tiny: bool) -> LlamaForCau
     return LlamaForCausalLM._from_config(config, attn_implementation=attn, dtype=dtype)
 
 
+def per_row_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The alternative measured against ``rlcore_packed``: one causal SDPA call per row of the pack."""
+    bounds = kwargs["cu_seq_lens_q"].tolist()
+    out = torch.cat([F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True,
+                                                    scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+                     for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(PER_ROW, per_row_attention)
+
+
 def run(model, kwargs, valid_index=None):
-    """One forward + backward; returns (seconds, hidden states at the valid positions, flat)."""
+    """One forward + backward; returns (wall seconds, this process's CPU seconds, hidden states at the
+    valid positions, flat). CPU seconds: the work done, less disturbed than wall time when other
+    processes share the cores."""
     model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     hidden = model.model(**kwargs, use_cache=False).last_hidden_state
     hidden.float().square().mean().backward()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     flat = hidden.detach().flatten(0, 1)
-    return seconds, (flat if valid_index is None else flat[valid_index]).float()
+    return seconds, cpu, (flat if valid_index is None else flat[valid_index]).float()
 
 
 def main(argv=None) -> dict:
@@ -66,6 +86,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-response", type=int, default=256)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--flex", action="store_true", help="also try flex_attention (compiles; minutes on 2 cores)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch: the suite's smoke run")
@@ -74,33 +95,39 @@ def main(argv=None) -> dict:
     dtype = getattr(torch, args.dtype)
     rows, layers = (4, 2) if args.quick else (args.rows, args.layers)
     ids, mask, pos = make_batch(rows, seed=0, max_prompt=12 if args.quick else 60,
-                                max_response=16 if args.quick else 256, vocab=256 if args.quick else 49152)
+                                max_response=16 if args.quick else args.max_response, vocab=256 if args.quick else 49152)
     packed = pack(ids, mask, pos)
     valid = packed.index
     report = {"rows": rows, "padded_tokens": mask.numel(), "valid_tokens": packed.num_tokens,
-              "padding_share": 1 - packed.num_tokens / mask.numel(), "dtype": args.dtype, "layers": layers, "seconds": {}}
-    ways = [("padded_eager", "eager", False), ("padded_sdpa", "sdpa", False), ("packed_sdpa_per_row", PACKED_ATTENTION, True)]
+              "padding_share": 1 - packed.num_tokens / mask.numel(), "dtype": args.dtype, "layers": layers,
+              "threads": torch.get_num_threads(), "seconds": {}, "cpu_seconds": {}}
+    ways = [("padded_eager", "eager", False), ("padded_sdpa", "sdpa", False),
+            ("packed_rlcore", PACKED_ATTENTION, True), ("packed_sdpa_per_row", PER_ROW, True)]
     if args.flex:
         ways.append(("packed_flex_attention", "flex_attention", True))
-    reference = None
-    for name, attn, packs in ways:
-        model = build(layers, attn, dtype, args.quick)
-        kwargs = ({k: v for k, v in packed.model_kwargs().items() if attn == PACKED_ATTENTION or k.startswith(("input", "pos"))}
-                  if packs else {"input_ids": ids, "attention_mask": mask, "position_ids": pos})
-        try:
-            times = []
-            for _ in range(1 + args.repeats):  # the first: warm-up (and compilation)
-                seconds, out = run(model, kwargs, None if packs else valid)
-                times.append(seconds)
-        except Exception as exc:  # report what did not run here (flex_attention needs a compiler)
-            report["seconds"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
-            continue
-        report["seconds"][name] = statistics.median(times[1:])
-        print(f"{name}: {report['seconds'][name]:.3f} s (runs {[round(t, 3) for t in times]})", flush=True)
-        if reference is None:
-            reference = out
-        else:
-            report.setdefault("max_abs_diff_vs_padded_eager", {})[name] = float((out - reference).abs().max())
+    models = {name: build(layers, attn, dtype, args.quick) for name, attn, _ in ways}
+    inputs = {name: packed.model_kwargs() if attn in (PACKED_ATTENTION, PER_ROW)
+              else {"input_ids": packed.input_ids, "position_ids": packed.position_ids} if packs
+              else {"input_ids": ids, "attention_mask": mask, "position_ids": pos} for name, attn, packs in ways}
+    times: dict[str, list] = {name: [] for name, _, _ in ways}
+    outputs = {}
+    for repeat in range(1 + args.repeats):  # interleaved, so that a busy spell of the machine hits every way
+        for name, _, packs in ways:
+            if isinstance(report["seconds"].get(name), str):
+                continue
+            try:
+                seconds, cpu, outputs[name] = run(models[name], inputs[name], None if packs else valid)
+            except Exception as exc:  # report what does not run here (flex_attention: no backward on CPU)
+                report["seconds"][name] = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
+                continue
+            if repeat:  # the first: warm-up
+                times[name].append((seconds, cpu))
+    for name, runs in times.items():
+        if runs:
+            report["seconds"][name] = statistics.median(t[0] for t in runs)
+            report["cpu_seconds"][name] = statistics.median(t[1] for t in runs)
+            diff = float((outputs[name] - outputs["padded_eager"]).abs().max())
+            report.setdefault("max_abs_diff_vs_padded_eager", {})[name] = diff
     print(json.dumps(report, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -353,6 +353,11 @@ class FSDPTrainWorker(Worker):
     train_cfg: TrainConfig
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
 
+    @property
+    def packs(self) -> bool:
+        """Whether forwards run packed micro-batches (``model.use_remove_padding``, rlcore.workers.packing)."""
+        return bool(getattr(getattr(self, "model_cfg", None), "use_remove_padding", False))
+
     def micro_batches(self, data: DataProto, agree: bool = True) -> list[np.ndarray]:
         if self.module is None:
             raise RuntimeError(f"{type(self).__name__}: call init_model() first")
@@ -392,6 +397,9 @@ class FSDPTrainWorker(Worker):
         counts and response width, so the loss does not depend on the crop. ``rows_with_grad``:
         rows outside it are not run at all (``trained_micro_batches``); the per-micro-batch
         metrics then describe the rows trained, and ``{prefix}/trained_rows_frac`` says how many.
+        ``{prefix}/pad_frac_batch``: the share of padding in the mini-batches as handed over;
+        ``{prefix}/pad_frac_computed``: the share of the positions the forwards computed that were
+        padding (cropped micro-batches; 0 packed).
         """
         if self.optimizer is None:
             raise RuntimeError(f"{type(self).__name__} has no optimizer (role {getattr(self, 'role', '?')!r}, "
@@ -411,8 +419,14 @@ class FSDPTrainWorker(Worker):
             scale = LossScale(global_tokens=tokens, global_seqs=seqs, dp_size=ws, norm_len=width)
             total = torch.zeros((), device=self.device)
             trained = 0
+            valid = int(mini.batch["attention_mask"].sum())
+            metrics["pad_frac_batch"].append(1 - valid / max(mini.batch["attention_mask"].numel(), 1))
+            computed = valid_computed = 0
             for ix, counts in self.trained_micro_batches(mini, rows_with_grad):
-                loss, micro_metrics = loss_fn(load_micro_batch(mini, ix, self.device)[0], scale)
+                micro = load_micro_batch(mini, ix, self.device)[0]
+                valid_computed += int(micro.batch["attention_mask"].sum())  # packed: every position computed is valid
+                computed += micro.batch["attention_mask"].numel()
+                loss, micro_metrics = loss_fn(micro, scale)
                 if not counts:
                     loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
                 loss.backward()
@@ -423,6 +437,7 @@ class FSDPTrainWorker(Worker):
                         metrics[k].append(v)
             if rows_with_grad is not None:
                 metrics["trained_rows_frac"].append(trained / len(mini))
+            metrics["pad_frac_computed"].append(0.0 if self.packs else 1 - valid_computed / max(computed, 1))
             grad_norm, lr = clip_and_step(self.module, self.optimizer, self.lr_scheduler, cfg.grad_clip)
             metrics["loss"].append(all_reduce_mean(total))
             metrics["grad_norm"].append(grad_norm)

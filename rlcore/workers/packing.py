@@ -13,8 +13,9 @@ Packed, the model runs on (1, N) with N the number of valid tokens, and nothing 
   ever built: the kernel registered here as ``PACKED_ATTENTION`` runs causal attention per row.
 
 The kernel (``packed_attention``): on CUDA, torch's varlen flash attention (one call for the whole
-pack) where this torch has it; elsewhere one ``scaled_dot_product_attention`` call per row on its
-slice of the pack (causal, GQA-aware), which on CPU is the flash kernel over the row's own length.
+pack) where this torch has it; elsewhere one causal ``scaled_dot_product_attention`` call over the
+pack's rows laid side by side (``_rows_sdpa``: each row's queries, keys and values from position 0,
+filled behind its end; GQA-aware), which on CPU is the flash kernel, without any mask.
 ``model.attn_implementation=flash_attention_2`` (the flash-attn package) is used as it is: it reads
 the same keywords. docs/workers.md ("Packed sequences") has the measurements behind the choice.
 """
@@ -178,19 +179,43 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         raise ValueError(f"{PACKED_ATTENTION} attention expects one packed sequence, got batch {query.shape[0]}")
     dropout = dropout if module.training else 0.0
     if cu is None:
-        out = _sdpa(query, key, value, scaling, dropout)
-    elif query.is_cuda and _varlen_attn is not None and dropout == 0.0:
+        return _sdpa(query, key, value, scaling, dropout).transpose(1, 2).contiguous(), None
+    if query.is_cuda and _varlen_attn is not None and dropout == 0.0:
         out = _varlen(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling)
-    else:
-        bounds = cu.tolist()
-        out = torch.cat([_sdpa(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], scaling, dropout)
-                         for s, e in zip(bounds[:-1], bounds[1:])], dim=2)
-    return out.transpose(1, 2).contiguous(), None
+        return out.transpose(1, 2).contiguous(), None
+    return _rows_sdpa(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling, dropout), None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout: float) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
                                           enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _rows_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+               scale: float | None, dropout: float) -> torch.Tensor:
+    """Causal attention of each row of a pack in one batched SDPA call: q, k, v are laid out as
+    (rows, heads, longest row, head_dim), each row from position 0 and zero-filled behind its end,
+    and the outputs at the rows' own positions are gathered back, (1, N, H, D).
+
+    Right-filled rows need no mask: a causal query sees only keys at or before it, all of them the
+    row's own tokens; the filled queries' outputs are dropped. So the kernel is SDPA's causal one
+    (flash on CPU: no (L x L) scores, let alone (N x N)), one call forward and one backward, where a
+    call per row measured several times slower for many short rows (docs/workers.md). Only
+    attention sees the fill; every other layer runs on the N packed tokens."""
+    lengths = cu.diff().to(torch.int64)
+    max_len = max_len or int(lengths.max())
+    rows, n = lengths.numel(), q.shape[2]
+    row = torch.repeat_interleave(torch.arange(rows, device=q.device), lengths.to(q.device), output_size=n)
+    slot = row * max_len + torch.arange(n, device=q.device) - cu.to(q.device, torch.int64)[row]
+
+    def spread(t: torch.Tensor) -> torch.Tensor:  # (1, H, N, D) -> (rows, H, max_len, D)
+        flat = t[0].transpose(0, 1)  # (N, H, D)
+        out = flat.new_zeros((rows * max_len, *flat.shape[1:]))
+        out = out.index_copy(0, slot, flat)
+        return out.view(rows, max_len, *flat.shape[1:]).transpose(1, 2)
+
+    out = _sdpa(spread(q), spread(k), spread(v), scale, dropout)  # (rows, H, max_len, D)
+    return out.transpose(1, 2).reshape(rows * max_len, *out.shape[1:2], out.shape[3])[slot].unsqueeze(0)
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,

@@ -5,13 +5,16 @@ packed against the padded path on the tiny model and the tiny MoE (SmolLM2: test
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoTokenizer
 
+from rlcore.data.preference import PairDataset, collate_pairs, write_pairs_jsonl
 from rlcore.models.tiny import build_tiny_model
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.packing import PACKED_ATTENTION, pack, packed_attention
+from rlcore.workers.reward_model import RewardModelWorker
 
 
 def test_pack_lays_valid_tokens_end_to_end_with_their_own_positions(make_batch):
@@ -89,6 +92,15 @@ def assert_close_on(mask, a, b, atol):
     torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=0, atol=atol)
 
 
+def assert_same_metrics(packed: dict, padded: dict, prefix: str) -> None:
+    """The update's metrics agree, but for the padding computed: none packed, some padded."""
+    assert packed[f"{prefix}/pad_frac_computed"] == 0.0 < padded[f"{prefix}/pad_frac_computed"]
+    assert packed[f"{prefix}/pad_frac_batch"] == padded[f"{prefix}/pad_frac_batch"] > 0.3  # SKEWED: 43 of 66 valid
+    for key in padded:
+        if "pad_frac" not in key:
+            assert packed[key] == pytest.approx(padded[key], rel=1e-4, abs=1e-6), key
+
+
 def assert_same_weights(wg_a, wg_b, atol):
     sa, sb = wg_a.get_full_state_dict(), wg_b.get_full_state_dict()
     assert sa.keys() == sb.keys()
@@ -115,8 +127,7 @@ def test_actor_packed_log_probs_entropies_and_update_equal_the_padded_path(arch,
     assert_close_on(mask, a["entropys"], b["entropys"], 2e-5)
     assert float(a["old_log_probs"][mask == 0].abs().max()) == 0.0  # response padding: never computed packed
     metrics_a, metrics_b = packed.update_policy(data)[0], padded.update_policy(data)[0]
-    for key in metrics_b:
-        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-4, abs=1e-6), key
+    assert_same_metrics(metrics_a, metrics_b, "actor")
     assert metrics_a["actor/grad_norm"] > 0
     assert_same_weights(packed, padded, 1e-5)
 
@@ -149,8 +160,7 @@ def test_critic_packed_values_and_update_equal_the_padded_path(tiny_model_dir, m
     data.batch["values"] = vb
     data.batch["returns"] = vb + torch.randn(vb.shape, generator=torch.Generator().manual_seed(1)) * mask
     ma, mb = packed.update_critic(data)[0], padded.update_critic(data)[0]
-    for key in mb:
-        assert ma[key] == pytest.approx(mb[key], rel=1e-4, abs=1e-6), key
+    assert_same_metrics(ma, mb, "critic")
     assert_same_weights(packed, padded, 1e-5)
 
 
@@ -163,3 +173,24 @@ def test_dynamic_token_budget_micro_batches_pack_and_train_like_fixed_rows(tiny_
     ma, mb = packed.update_policy(data)[0], padded.update_policy(data)[0]
     assert ma["actor/loss"] == pytest.approx(mb["actor/loss"], rel=1e-4)
     assert_same_weights(packed, padded, 1e-5)
+
+
+def test_reward_model_packed_pair_scores_and_update_equal_the_padded_path(tiny_model_dir, tmp_path):
+    """Pair rows (B, 2, T) of different lengths: Bradley-Terry scores and one SGD step, packed vs padded."""
+    pairs = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"}, {"prompt": "12+3=", "chosen": "15", "rejected": ""},
+             {"prompt": "7+7=", "chosen": "14", "rejected": "41"}]
+    ds = PairDataset(write_pairs_jsonl(tmp_path / "p.jsonl", pairs), AutoTokenizer.from_pretrained(tiny_model_dir))
+    data = DataProto.from_dict(*collate_pairs([ds[i] for i in range(len(ds))], 0))
+    groups = {}
+    for packed in (True, False):
+        config = {"model": {"path": tiny_model_dir, "use_remove_padding": packed},
+                  "reward_model": {**SGD, "ppo_micro_batch_size_per_gpu": 3}}
+        groups[packed] = LocalWorkerGroup(ClassWithInitArgs(RewardModelWorker, config, trainable=True), 1)
+        groups[packed].init_model()
+    scores = {p: g.compute_pair_scores(data).batch for p, g in groups.items()}
+    for key in ("chosen_scores", "rejected_scores"):
+        torch.testing.assert_close(scores[True][key], scores[False][key], atol=2e-5, rtol=0)
+    metrics = {p: g.update_rm(data)[0] for p, g in groups.items()}
+    assert metrics[True]["rm/loss"] == pytest.approx(metrics[False]["rm/loss"], rel=1e-5)
+    assert metrics[False]["rm/grad_norm"] > 0
+    assert_same_weights(groups[True], groups[False], 1e-5)
