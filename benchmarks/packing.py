@@ -9,7 +9,8 @@ tokens left-padded, responses 8 to ``--max-response`` right-padded; fixed seed) 
 
 - padded ``eager`` and ``sdpa``: the (B, T) batch with its attention mask (the unpacked path);
 - packed ``rlcore_packed``: the valid tokens as one (1, N) sequence, the pack's rows side by side in
-  one causal SDPA call (``rlcore.workers.packing``);
+  one causal SDPA call (``rlcore.workers.packing``); ``rlcore_packed_eager``: the same layout through
+  eager math (what ``model.attn_implementation=eager`` loads when packing);
 - packed, one causal SDPA call per row (the alternative it was measured against);
 - packed ``flex_attention`` (``--flex``): transformers' block mask over the pack (on CPU, torch 2.13
   refuses its backward: recorded as failed).
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
-from rlcore.workers.packing import PACKED_ATTENTION, pack
+from rlcore.workers.packing import PACKED_ATTENTION, PACKED_EAGER, pack
 
 PER_ROW = "bench_sdpa_per_row"
 
@@ -102,11 +103,12 @@ def main(argv=None) -> dict:
               "padding_share": 1 - packed.num_tokens / mask.numel(), "dtype": args.dtype, "layers": layers,
               "threads": torch.get_num_threads(), "seconds": {}, "cpu_seconds": {}}
     ways = [("padded_eager", "eager", False), ("padded_sdpa", "sdpa", False),
-            ("packed_rlcore", PACKED_ATTENTION, True), ("packed_sdpa_per_row", PER_ROW, True)]
+            ("packed_rlcore", PACKED_ATTENTION, True), ("packed_rlcore_eager", PACKED_EAGER, True),
+            ("packed_sdpa_per_row", PER_ROW, True)]
     if args.flex:
         ways.append(("packed_flex_attention", "flex_attention", True))
     models = {name: build(layers, attn, dtype, args.quick) for name, attn, _ in ways}
-    inputs = {name: packed.model_kwargs() if attn in (PACKED_ATTENTION, PER_ROW)
+    inputs = {name: packed.model_kwargs() if attn in (PACKED_ATTENTION, PACKED_EAGER, PER_ROW)
               else {"input_ids": packed.input_ids, "position_ids": packed.position_ids} if packs
               else {"input_ids": ids, "attention_mask": mask, "position_ids": pos} for name, attn, packs in ways}
     times: dict[str, list] = {name: [] for name, _, _ in ways}

@@ -14,8 +14,9 @@ Packed, the model runs on (1, N) with N the number of valid tokens, and nothing 
 
 The kernel (``packed_attention``): on CUDA, torch's varlen flash attention (one call for the whole
 pack) where this torch has it; elsewhere one causal ``scaled_dot_product_attention`` call over the
-pack's rows laid side by side (``_rows_sdpa``: each row's queries, keys and values from position 0,
-filled behind its end; GQA-aware), which on CPU is the flash kernel, without any mask.
+pack's rows laid side by side (``_rows``: each row's queries, keys and values from position 0,
+filled behind its end; GQA-aware), which on CPU is the flash kernel, without any mask; with
+``model.attn_implementation=eager``, the same layout through eager math (``PACKED_EAGER``).
 ``model.attn_implementation=flash_attention_2`` (the flash-attn package) is used as it is: it reads
 the same keywords. docs/workers.md ("Packed sequences") has the measurements behind the choice.
 """
@@ -33,6 +34,7 @@ from rlcore.models.config import ModelConfig
 from rlcore.workers.response_head import scored_positions
 
 PACKED_ATTENTION = "rlcore_packed"  # the attn_implementation name the trained roles load with when packing
+PACKED_EAGER = "rlcore_packed_eager"  # the same with eager math inside (model.attn_implementation=eager)
 
 try:  # torch >= 2.9 on CUDA: one varlen flash-attention call for the whole pack
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -122,10 +124,12 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
 
 def load_kwargs(model_cfg: ModelConfig) -> dict:
     """``from_pretrained`` keywords of a trained role: ``model_cfg``'s, with the packed attention kernel
-    when ``model.use_remove_padding`` (``flash_attention_2``, when chosen, reads packs as it is)."""
+    when ``model.use_remove_padding``: SDPA inside, or eager math where ``model.attn_implementation``
+    is eager (``flash_attention_2``, when chosen, reads packs as it is)."""
     kwargs = model_cfg.load_kwargs()
-    if model_cfg.use_remove_padding and kwargs.get("attn_implementation") != "flash_attention_2":
-        kwargs["attn_implementation"] = PACKED_ATTENTION
+    chosen = kwargs.get("attn_implementation")
+    if model_cfg.use_remove_padding and chosen != "flash_attention_2":
+        kwargs["attn_implementation"] = PACKED_EAGER if chosen == "eager" else PACKED_ATTENTION
     return kwargs
 
 
@@ -169,6 +173,17 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     (1, H_kv, N, D) of a pack; returns (1, N, H, D). Causal attention within each row of
     ``kwargs["cu_seq_lens_q"]``; without it (an unpacked call, e.g. one padded row) the whole
     sequence is one row, and a padding mask is refused rather than ignored."""
+    return _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs, _sdpa)
+
+
+def packed_eager_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                           scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """``packed_attention`` with transformers' eager math inside (``model.attn_implementation=eager``):
+    scores, causal mask and an fp32 softmax per row, (rows, H, L, L) at most, never (N x N)."""
+    return _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs, _eager)
+
+
+def _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs, inner):
     cu = kwargs.get("cu_seq_lens_q")
     if attention_mask is not None:
         raise ValueError(f"{PACKED_ATTENTION} attention takes packed rows without a mask (rlcore.workers.packing.pack)")
@@ -179,11 +194,11 @@ def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         raise ValueError(f"{PACKED_ATTENTION} attention expects one packed sequence, got batch {query.shape[0]}")
     dropout = dropout if module.training else 0.0
     if cu is None:
-        return _sdpa(query, key, value, scaling, dropout).transpose(1, 2).contiguous(), None
+        return inner(query, key, value, scaling, dropout).transpose(1, 2).contiguous(), None
     if query.is_cuda and _varlen_attn is not None and dropout == 0.0:
         out = _varlen(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling)
         return out.transpose(1, 2).contiguous(), None
-    return _rows_sdpa(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling, dropout), None
+    return _rows(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling, dropout, inner), None
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout: float) -> torch.Tensor:
@@ -191,17 +206,28 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
-def _rows_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
-               scale: float | None, dropout: float) -> torch.Tensor:
-    """Causal attention of each row of a pack in one batched SDPA call: q, k, v are laid out as
-    (rows, heads, longest row, head_dim), each row from position 0 and zero-filled behind its end,
-    and the outputs at the rows' own positions are gathered back, (1, N, H, D).
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout: float) -> torch.Tensor:
+    """Causal attention as transformers' eager kernel computes it (softmax in fp32), on (B, H, L, D)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    length = q.shape[2]
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(probs, p=dropout, training=dropout > 0), v)
+
+
+def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+          scale: float | None, dropout: float, inner) -> torch.Tensor:
+    """Causal attention of each row of a pack in one batched ``inner`` call (SDPA or eager): q, k, v
+    are laid out as (rows, heads, longest row, head_dim), each row from position 0 and zero-filled
+    behind its end, and the outputs at the rows' own positions are gathered back, (1, N, H, D).
 
     Right-filled rows need no mask: a causal query sees only keys at or before it, all of them the
-    row's own tokens; the filled queries' outputs are dropped. So the kernel is SDPA's causal one
-    (flash on CPU: no (L x L) scores, let alone (N x N)), one call forward and one backward, where a
-    call per row measured several times slower for many short rows (docs/workers.md). Only
-    attention sees the fill; every other layer runs on the N packed tokens."""
+    row's own tokens; the filled queries' outputs are dropped. So the kernel is the causal one
+    (SDPA's flash kernel on CPU: no (L x L) scores, let alone (N x N)), one call forward and one
+    backward, where a call per row measured several times slower for many short rows
+    (docs/workers.md). Only attention sees the fill; every other layer runs on the N packed tokens."""
     lengths = cu.diff().to(torch.int64)
     max_len = max_len or int(lengths.max())
     rows, n = lengths.numel(), q.shape[2]
@@ -210,12 +236,11 @@ def _rows_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tens
 
     def spread(t: torch.Tensor) -> torch.Tensor:  # (1, H, N, D) -> (rows, H, max_len, D)
         flat = t[0].transpose(0, 1)  # (N, H, D)
-        out = flat.new_zeros((rows * max_len, *flat.shape[1:]))
-        out = out.index_copy(0, slot, flat)
+        out = flat.new_zeros((rows * max_len, *flat.shape[1:])).index_copy(0, slot, flat)
         return out.view(rows, max_len, *flat.shape[1:]).transpose(1, 2)
 
-    out = _sdpa(spread(q), spread(k), spread(v), scale, dropout)  # (rows, H, max_len, D)
-    return out.transpose(1, 2).reshape(rows * max_len, *out.shape[1:2], out.shape[3])[slot].unsqueeze(0)
+    out = inner(spread(q), spread(k), spread(v), scale, dropout)  # (rows, H, max_len, D)
+    return out.transpose(1, 2).reshape(rows * max_len, out.shape[1], out.shape[3])[slot].unsqueeze(0)
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
@@ -234,3 +259,4 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
 
 _VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else set()
 AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionInterface.register(PACKED_EAGER, packed_eager_attention)

@@ -13,7 +13,7 @@ from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
-from rlcore.workers.packing import PACKED_ATTENTION, pack, packed_attention
+from rlcore.workers.packing import PACKED_ATTENTION, PACKED_EAGER, pack, packed_attention, packed_eager_attention
 from rlcore.workers.reward_model import RewardModelWorker
 
 
@@ -49,8 +49,9 @@ class _Attn(torch.nn.Module):
         self.train(training)
 
 
+@pytest.mark.parametrize("kernel", [packed_attention, packed_eager_attention])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_packed_attention_equals_per_row_padded_sdpa(kv_heads):
+def test_packed_attention_equals_per_row_padded_sdpa(kv_heads, kernel):
     """Rows of 3, 1 and 5 tokens in one pack: each row's outputs equal causal SDPA on the row alone,
     so no row sees another's keys (a kernel attending across rows would differ in rows 2 and 3)."""
     g = torch.Generator().manual_seed(0)
@@ -58,7 +59,7 @@ def test_packed_attention_equals_per_row_padded_sdpa(kv_heads):
     q = torch.randn(1, 4, sum(lengths), 8, generator=g)
     k, v = (torch.randn(1, kv_heads, sum(lengths), 8, generator=g) for _ in range(2))
     cu = torch.tensor([0, 3, 4, 9], dtype=torch.int32)
-    out, _ = packed_attention(_Attn(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=5)
+    out, _ = kernel(_Attn(), q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=5)
     assert out.shape == (1, 9, 4, 8)
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         rep = 4 // kv_heads
@@ -129,6 +130,19 @@ def test_actor_packed_log_probs_entropies_and_update_equal_the_padded_path(arch,
     metrics_a, metrics_b = packed.update_policy(data)[0], padded.update_policy(data)[0]
     assert_same_metrics(metrics_a, metrics_b, "actor")
     assert metrics_a["actor/grad_norm"] > 0
+    assert_same_weights(packed, padded, 1e-5)
+
+
+def test_actor_packed_eager_equals_padded_eager(tiny_model_dir, make_batch):
+    data = make_batch(**SKEWED)
+    mask = data.batch["response_mask"]
+    eager = {"attn_implementation": "eager"}
+    packed = group(ActorWorker, tiny_model_dir, True, "actor", model=eager, ppo_micro_batch_size_per_gpu=6)
+    padded = group(ActorWorker, tiny_model_dir, False, "actor", model=eager, ppo_micro_batch_size_per_gpu=6)
+    assert packed.worker().module.config._attn_implementation == PACKED_EAGER
+    a, b = packed.compute_log_prob(data).batch, padded.compute_log_prob(data).batch
+    assert_close_on(mask, a["old_log_probs"], b["old_log_probs"], 2e-5)
+    assert_same_metrics(packed.update_policy(data)[0], padded.update_policy(data)[0], "actor")
     assert_same_weights(packed, padded, 1e-5)
 
 
