@@ -2,6 +2,7 @@
 ``model.use_remove_padding`` and the packed attention kernel (rlcore.workers.packing).
 
     python -m benchmarks.packing [--layers 30] [--rows 16] [--max-response 256] [--repeats 3] [--dtype bfloat16]
+                                [--threads N]
 
 A SmolLM2-135M-shaped Llama (hidden 576, 9 heads, 3 KV heads; random weights, ``--layers`` of them)
 runs one forward and backward on ``--rows`` rows with GRPO-like skewed lengths (prompts 20-60
@@ -91,8 +92,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--flex", action="store_true", help="also try flex_attention (compiles; minutes on 2 cores)")
     parser.add_argument("--quick", action="store_true", help="a tiny model and batch: the suite's smoke run")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (1: steadier CPU seconds on a shared machine)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     rows, layers = (4, 2) if args.quick else (args.rows, args.layers)
     ids, mask, pos = make_batch(rows, seed=0, max_prompt=12 if args.quick else 60,

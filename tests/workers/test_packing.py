@@ -208,3 +208,18 @@ def test_reward_model_packed_pair_scores_and_update_equal_the_padded_path(tiny_m
     assert metrics[True]["rm/loss"] == pytest.approx(metrics[False]["rm/loss"], rel=1e-5)
     assert metrics[False]["rm/grad_norm"] > 0
     assert_same_weights(groups[True], groups[False], 1e-5)
+
+
+def test_packed_attention_in_bf16_on_cpu_computes_in_fp32_and_returns_bf16():
+    """bf16 q/k/v on CPU: SDPA runs in fp32 (faster there, rlcore.workers.packing._sdpa_fp32); the
+    result is the fp32 one rounded to bf16, not bf16 SDPA's own."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 7, 16, generator=g) for _ in range(3))
+    cu = torch.tensor([0, 4, 7], dtype=torch.int32)
+    exact, _ = packed_attention(_Attn(), q, k, v, None, cu_seq_lens_q=cu, max_length_q=4)
+    low, _ = packed_attention(_Attn(), q.bfloat16(), k.bfloat16(), v.bfloat16(), None, cu_seq_lens_q=cu, max_length_q=4)
+    assert low.dtype == torch.bfloat16
+    reference, _ = packed_attention(_Attn(), q.bfloat16().float(), k.bfloat16().float(), v.bfloat16().float(), None,
+                                    cu_seq_lens_q=cu, max_length_q=4)
+    assert torch.equal(low, reference.bfloat16())
+    torch.testing.assert_close(low.float(), exact, atol=0.05, rtol=0)
