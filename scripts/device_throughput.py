@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 import recipes.grpo
 from rlcore.models.tiny import build_char_tokenizer
 from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.workers import packing
 
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 # Qwen2.5's published configs (hidden, MLP width, layers, heads, KV heads; vocabulary 151,936, tied
@@ -176,6 +177,9 @@ def part_throughput(ctx: dict, shape: str) -> dict:
         "generated_tokens_per_s": round(generated / stages["gen"], 1),
         "trained_tokens_per_s": round(trained / stages["update_actor"], 1),
         "weight_sync_s": stages.get("sync_weights"),
+        "packed_attention": ("torch varlen_attn" if device == "cuda" and packing.uses_varlen(torch.zeros(
+            1, device=device, dtype=torch.bfloat16)) else "rows of SDPA"),
+        "varlen_refused": list(packing.VARLEN_REFUSED),
         "peak_bf16_flops": peak, "measured_bf16_matmul_flops": round(measured),
         "mfu_update": mfu(train_flops, stages["update_actor"], peak),
         "mfu_step": mfu(step_flops, stages["step"], peak),

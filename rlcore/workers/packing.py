@@ -12,8 +12,9 @@ Packed, the model runs on (1, N) with N the number of valid tokens, and nothing 
   (``cu_seq_lens_q`` ...; transformers passes them down to every attention call). No (N x N) mask is
   ever built: the kernel registered here as ``PACKED_ATTENTION`` runs causal attention per row.
 
-The kernel (``packed_attention``): on CUDA, torch's varlen flash attention (one call for the whole
-pack) where this torch has it; elsewhere one causal ``scaled_dot_product_attention`` call over the
+The kernel (``packed_attention``): on CUDA in bf16/fp16, torch's varlen flash attention (one call for
+the whole pack) where this torch has it (``uses_varlen``; should it raise, the process falls back to
+rows, ``VARLEN_REFUSED`` says why); elsewhere one causal ``scaled_dot_product_attention`` call over the
 pack's rows laid side by side (``_rows``: each row's queries, keys and values from position 0,
 filled behind its end; GQA-aware), which on CPU is the flash kernel, without any mask; with
 ``model.attn_implementation=eager``, the same layout through eager math (``PACKED_EAGER``).
@@ -24,6 +25,7 @@ the same keywords. docs/workers.md ("Packed sequences") has the measurements beh
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +37,7 @@ from rlcore.workers.response_head import scored_positions
 
 PACKED_ATTENTION = "rlcore_packed"  # the attn_implementation name the trained roles load with when packing
 PACKED_EAGER = "rlcore_packed_eager"  # the same with eager math inside (model.attn_implementation=eager)
+VARLEN_REFUSED: list[str] = []  # why torch's varlen attention failed in this process, if it did (then rows of SDPA)
 
 try:  # torch >= 2.9 on CUDA: one varlen flash-attention call for the whole pack
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -197,10 +200,21 @@ def _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs,
         inner = _sdpa_fp32
     if cu is None:
         return inner(query, key, value, scaling, dropout).transpose(1, 2).contiguous(), None
-    if query.is_cuda and _varlen_attn is not None and dropout == 0.0:
-        out = _varlen(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling)
-        return out.transpose(1, 2).contiguous(), None
+    if uses_varlen(query) and dropout == 0.0:
+        try:
+            out = _varlen(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling)
+            return out.transpose(1, 2).contiguous(), None
+        except (RuntimeError, TypeError, NotImplementedError) as exc:  # this torch / GPU refuses it: rows from now on
+            VARLEN_REFUSED.append(f"{type(exc).__name__}: {exc}"[:500])
+            warnings.warn(f"torch varlen attention refused ({VARLEN_REFUSED[-1]}); packed attention runs as rows of SDPA")
     return _rows(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling, dropout, inner), None
+
+
+def uses_varlen(query: torch.Tensor) -> bool:
+    """Whether a pack's attention runs as torch's varlen flash attention: CUDA, bf16 or fp16 (the flash
+    kernel's dtypes; fp32 packs run as rows of SDPA), a torch that has it and has not refused it."""
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_attn is not None
+            and not VARLEN_REFUSED)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout: float) -> torch.Tensor:
