@@ -223,3 +223,15 @@ def test_packed_attention_in_bf16_on_cpu_computes_in_fp32_and_returns_bf16():
                                     cu_seq_lens_q=cu, max_length_q=4)
     assert torch.equal(low, reference.bfloat16())
     torch.testing.assert_close(low.float(), exact, atol=0.05, rtol=0)
+
+
+def test_a_micro_batch_without_response_tokens_packs_to_nothing_to_score(tiny_model_dir, make_batch):
+    """Row 0's response is empty and, one row per micro-batch, its micro-batch scores no token: zero
+    outputs, and the update (every row run) equals the padded one."""
+    data = make_batch(prompt_lens=(3, 2), response_lens=(0, 2), prompt_width=3, response_width=2)
+    runs = {p: group(ActorWorker, tiny_model_dir, p, "actor", ppo_micro_batch_size_per_gpu=1,
+                     skip_zero_advantage_rows=False) for p in (True, False)}
+    out = runs[True].compute_log_prob(data).batch["old_log_probs"]
+    assert out[0].abs().max() == 0 and out[1].abs().min() > 0
+    assert_same_metrics(runs[True].update_policy(data)[0], runs[False].update_policy(data)[0], "actor")
+    assert_same_weights(runs[True], runs[False], 1e-5)
