@@ -251,11 +251,6 @@ def load_micro_batch(data: DataProto, ix: np.ndarray, device: torch.device) -> t
     return micro, right
 
 
-def response_slice(per_position: torch.Tensor, response_len: int) -> torch.Tensor:
-    """Outputs at positions T_p-1 .. T-2: those that predict (or value the state before) each response token."""
-    return per_position[:, -response_len - 1 : -1]
-
-
 def global_counts(response_mask: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Valid tokens and non-empty sequences of a mini-batch, summed over all DP ranks."""
     counts = torch.stack([response_mask.bool().sum(), response_mask.bool().any(-1).sum()]).to(device, torch.float64)
