@@ -277,8 +277,9 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     if k.shape[1] != q.shape[1]:  # GQA: expand the KV heads (older releases lack enable_gqa)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    q, k, v = (t[0].transpose(0, 1) for t in (q, k, v))  # (N, H, D)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # (N, H, D)
     cu = cu.to(device=q.device, dtype=torch.int32)
+    max_len = max_len or int(cu.diff().max())
     causal = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else {"window_size": (-1, 0)}
     out = _varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal)
     return out.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
