@@ -1,5 +1,6 @@
 """Packed micro-batches on the real model (SmolLM2-135M, 49k vocabulary, 9 heads over 3 KV heads):
-log-probs, entropies and one whole SGD update packed equal the padded path's (rlcore.workers.packing)."""
+log-probs, entropies, one whole SGD update and the critic's values packed equal the padded path's
+(rlcore.workers.packing)."""
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from rlcore.data.word_problems import make_word_problems
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.actor import ActorWorker
+from rlcore.workers.critic import CriticWorker
 
 pytestmark = pytest.mark.slow
 
@@ -53,3 +55,16 @@ def test_smollm2_packed_log_probs_entropies_and_update_equal_the_padded_path(smo
     assert metrics[False]["actor/grad_norm"] > 1.0  # an update of lr x grad: far above the tolerance below
     gap = max(float((after[True][k] - after[False][k]).abs().max()) for k in after[False])
     assert gap < 1e-5  # the two updated models agree to float noise
+
+
+def test_smollm2_packed_critic_values_equal_the_padded_path(smollm2_dir):
+    data = skewed_batch(smollm2_dir)
+    mask = data.batch["response_mask"].bool()
+    values = {}
+    for packed in (True, False):
+        config = {"model": {"path": smollm2_dir, "use_remove_padding": packed}, "critic": {"ppo_micro_batch_size_per_gpu": 3}}
+        critic = LocalWorkerGroup(ClassWithInitArgs(CriticWorker, config))
+        critic.init_model()  # the value head: seeded alike on both (critic.seed)
+        values[packed] = critic.compute_values(data).batch["values"]
+    assert float(values[False][mask].abs().max()) > 0.01
+    torch.testing.assert_close(values[True][mask], values[False][mask], atol=2e-4, rtol=0)
