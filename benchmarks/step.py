@@ -6,6 +6,9 @@
 
 ``--model`` runs the recipe with ``+preset=smollm2`` (recipes/config/preset/smollm2.yaml: SmolLM2-135M-Instruct
 on the arithmetic-in-words task, vLLM sampling, its micro-batch sizes) and ``model.path`` set to it.
+The update's padding share is reported before and after packing: of the batch as sampled
+(``actor/pad_frac_batch``) and of the positions its forwards computed (``actor/pad_frac_computed``: 0
+with ``model.use_remove_padding``, the default; compare ``model.use_remove_padding=false``).
 Every run reports the peak resident memory (``VmHWM``) of the driver and of each rank's process, read
 at every step's end: what decides whether a setting fits a 24 GB machine.
 
@@ -192,12 +195,16 @@ def main() -> None:
     print(f"  {'total fixed':<62}{total:>7.3f} s{total / wall:>6.0%}")
     print(f"rollout tokens/s (generated): {median(rows, 'rollout/tokens_per_s'):.0f}")
     print("peak resident memory: " + ", ".join(f"{who} {n / 2**30:.2f} GiB" for who, n in peaks.items()))
+    padding = {"batch": median(rows, "actor/pad_frac_batch"), "computed": median(rows, "actor/pad_frac_computed")}
+    print(f"padding share of the update: {padding['batch']:.0%} of the batch as sampled, {padding['computed']:.0%} of "
+          f"the positions its forwards computed ({'packed' if padding['computed'] == 0 else 'padded micro-batches'}); "
+          f"update {median(rows, 'timing_s/update_actor'):.3f} s")
     trained = median(rows, "actor/trained_rows_frac")  # with skip_zero_advantage_rows where it applies (no KL loss)
     print(f"rows the actor trained on: {'all' if trained != trained else f'{trained:.0%} (the rest had zero advantage)'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
-                       "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained,
+                       "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained, "padding_share": padding,
                        "worker_compute_s": compute, "parts_s": parts, "peak_rss_bytes": peaks}, f, indent=2)
 
 

@@ -8,7 +8,10 @@ Ray worker process needs: it never ran the recipe module that registered the fun
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Generic, TypeVar
+import importlib.util
+import os
+import uuid
+from typing import Any, Callable, Generic, TypeVar
 
 F = TypeVar("F", bound=Callable)
 
@@ -47,3 +50,20 @@ class Registry(Generic[F]):
 
     def names(self) -> list[str]:
         return sorted(self._entries)
+
+
+def load_named(path: str, what: str) -> Any:
+    """The object at ``file.py:Name`` or ``package.module:Name`` (``what`` names the setting in errors).
+    A file is imported as a module of a fresh name, so two files of one name do not collide."""
+    where, sep, name = path.rpartition(":")
+    if not sep or not where or not name:
+        raise ValueError(f"{what} must be 'path/to/file.py:Name' or 'package.module:Name', got {path!r}")
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise FileNotFoundError(f"{what} file {where!r} does not exist (from {what}={path!r})")
+        spec = importlib.util.spec_from_file_location(f"rlcore_loaded_{uuid.uuid4().hex[:8]}", where)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name, None)

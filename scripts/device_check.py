@@ -18,6 +18,9 @@ whatever each part did before moving on:
    per stage, peak GPU memory;
 3. unit tests: pytest over the algos tests (torch's default device set to CUDA) and the worker
    tests (their ``trainer.device`` is ``auto``, so CUDA).
+4. throughput (only when named: ``--only throughput``, ~6 minutes of its own): GRPO steps at
+   Qwen2.5-0.5B and -1.5B shapes, packed, bf16: seconds per stage, tokens/s, MFU, weight-sync time,
+   peak memory (``scripts/device_throughput.py``).
 
 Every process runs under ``scripts/device_guard.py`` (importing Ray or vLLM fails; vendored packages
 come from the vendor folder). Everything goes to ``--out`` (``$OUT`` on the device) as
@@ -70,7 +73,11 @@ def plan(device: str) -> list[list[tuple[str, str, list[tuple[str, int]]]]]:
          ("reference", "cpu", [("workers_fp32", 120), ("workers_bf16", 120)])],
         [("recipes", device, [("compare", 20), ("grpo", 120), ("ppo", 150)])],
         [("unit", device, [("pytest", 240)])],
+        [("throughput", device, [("throughput_0.5b", 210), ("throughput_1.5b", 300)])],
     ]
+
+
+OPT_IN = ("throughput",)  # processes that run only when --only names them (a device call lasts at most 10 minutes)
 
 
 def start_process(cmd: list[str], log: Path) -> subprocess.Popen:
@@ -158,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recipe-model", choices=("tiny", "small", "medium"),
                         help="the recipes' model (the compared one stays small: the CPU reference runs it too)")
     parser.add_argument("--steps", type=int, help="recipe steps")
-    parser.add_argument("--only", nargs="*", choices=("target", "reference", "recipes", "unit"), help="these processes only")
+    parser.add_argument("--only", nargs="*", choices=("target", "reference", "recipes", "unit", *OPT_IN),
+                        help="these processes only (throughput: only when named here)")
     parser.add_argument("--keep-work", action="store_true", help="keep the work folder (models, runs, logs)")
     args = parser.parse_args(argv)
 
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
            "cpu_threads": None if args.cpu else max(1, (os.cpu_count() or 8) - 4)}
     start = time.perf_counter()
     deadline = start + args.budget_s
-    stages = [[p for p in stage if not args.only or p[0] in args.only] for stage in plan(device)]
+    stages = [[p for p in stage if (p[0] in args.only if args.only else p[0] not in OPT_IN)] for stage in plan(device)]
     stages = [stage for stage in stages if stage]
     report = {"mode": "cpu dry run" if args.cpu else "cuda", "budget_s": args.budget_s, "sizes": mode,
               "out": str(out), "parts": {}, "procs": {}}

@@ -40,6 +40,7 @@ from rlcore.trainer.validation import mean_over_ranks
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
 from rlcore.workers.rollout import RolloutWorker
+from scripts.device_throughput import part_throughput
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "recipes" / "config"
@@ -357,6 +358,8 @@ PARTS = {
     "compare": part_compare,
     "grpo": lambda ctx: part_recipe(ctx, "grpo"),
     "ppo": lambda ctx: part_recipe(ctx, "ppo"),
+    "throughput_0.5b": lambda ctx: part_throughput(ctx, "qwen2.5-0.5b"),  # scripts/device_throughput.py
+    "throughput_1.5b": lambda ctx: part_throughput(ctx, "qwen2.5-1.5b"),
 }
 
 

@@ -14,8 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from scripts import device_guard
+from scripts.device_throughput import SHAPES, flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = {"target.env", "target.workers_fp32", "target.workers_bf16", "reference.workers_fp32",
@@ -74,3 +77,30 @@ def test_module_level_imports_leave_out_lazy_and_optional_ones(tmp_path):
     sample.write_text("import os\nfrom pydantic import BaseModel\ntry:\n    import ray\nexcept ImportError:\n"
                       "    ray = None\nif True:\n    import yaml.constructor\n\ndef f():\n    import vllm\n")
     assert device_guard._module_level_imports(sample) == {"os", "pydantic", "yaml"}
+
+
+def test_throughput_flops_per_token_and_the_qwen_shapes_match_their_published_sizes():
+    counts = {"matmul_parameters": 10, "layers": 2, "q_width": 4}
+    assert flops_per_token(counts, 3.0, training=False) == 2 * 10 + 4 * 2 * 4 * 3  # 116
+    assert flops_per_token(counts, 3.0, training=True) == 3 * 116
+    for shape, published in (("qwen2.5-0.5b", 494_032_768), ("qwen2.5-1.5b", 1_543_714_304)):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[shape], tie_word_embeddings=True))
+        assert sum(p.numel() for p in model.parameters()) == published, shape
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_of_the_throughput_benchmark(tmp_path, vendor):
+    env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTHONPATH")}
+    result = subprocess.run(["bash", "scripts/device_check.sh", "--cpu", "--only", "throughput", "--out", str(tmp_path)],
+                            cwd=REPO, env={**env, "PYTHON": sys.executable, "DEVICE_VENDOR": str(vendor)},
+                            capture_output=True, text=True, timeout=900)
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert result.returncode == 0 and report["ok"], result.stdout[-6000:] + result.stderr[-3000:]
+    assert set(report["parts"]) == {"throughput.throughput_0.5b", "throughput.throughput_1.5b"}
+    for part in report["parts"].values():
+        assert part["steps"] == 2 and part["response_tokens_mean"] == 8.0  # ignore_eos: every response full length
+        assert {"gen", "update_actor", "sync_weights", "step"} <= set(part["stage_s"])
+        assert part["trained_tokens_per_s"] > 0 and part["generated_tokens_per_s"] > 0 and part["weight_sync_s"] > 0
+        assert 0 < part["mfu_update_vs_measured_matmul"] < 1
+    assert report["procs"]["throughput"]["imports"]["blocked_loaded"] == []

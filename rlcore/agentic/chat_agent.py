@@ -31,8 +31,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import os
 import time
@@ -50,6 +48,7 @@ from rlcore.agentic.env import Result
 from rlcore.agentic.episode import Trajectory
 from rlcore.engines.async_base import AsyncEngine
 from rlcore.engines.base import SamplingSettings
+from rlcore.registry import load_named
 
 
 class AgentError(RuntimeError):
@@ -87,20 +86,10 @@ class ChatAgent:
 def load_agent(path: str, kwargs: Mapping[str, Any] | None = None) -> type:
     """The agent class at ``file.py:Class`` or ``package.module:Class``; with ``kwargs``, also checks
     that its constructor takes them (``check_agent_kwargs``)."""
-    where, sep, name = path.rpartition(":")
-    if not sep or not where or not name:
-        raise ValueError(f"agent must be 'path/to/file.py:ClassName' or 'package.module:ClassName', got {path!r}")
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise FileNotFoundError(f"agent file {where!r} does not exist (from agent={path!r})")
-        spec = importlib.util.spec_from_file_location(f"rlcore_agent_{uuid.uuid4().hex[:8]}", where)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    cls = getattr(module, name, None)
+    cls = load_named(path, "agent")
     if cls is None or not callable(getattr(cls, "run", None)):
-        raise ValueError(f"{path!r}: no class {name!r} with a run(ctx) method in {where}")
+        raise ValueError(f"{path!r}: no class {path.rpartition(':')[2]!r} with a run(ctx) method in "
+                         f"{path.rpartition(':')[0]}")
     if kwargs is not None:
         check_agent_kwargs(cls, kwargs, path)
     return cls

@@ -28,9 +28,8 @@ from rlcore.agentic.env import Env, make_env
 from rlcore.agentic.episode import Trajectory, continue_after, env_call, to_dataproto
 from rlcore.agentic.router import SessionRouter
 from rlcore.engines.async_base import Completion
-
-PER_CALL_VERSIONS = "token_versions_per_call"  # meta_info key: token_versions count from this call's weights
 from rlcore.engines.base import Engine, Generation, SamplingSettings
+from rlcore.engines.layout import PER_CALL_VERSIONS
 from rlcore.protocol import DataProto
 
 GenerateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, SamplingSettings], Generation]

@@ -15,6 +15,10 @@ from rlcore.engines.base import Generation
 from rlcore.models.moe import mask_routing
 from rlcore.protocol import DataProto
 
+# meta_info key of a batch whose token_versions count from the generating call's weights (0 = those
+# weights: turn-lockstep multi-turn rollouts), not the run's policy versions (rlcore.agentic.multi_turn)
+PER_CALL_VERSIONS = "token_versions_per_call"
+
 
 def check_left_padded(attention_mask: torch.Tensor) -> None:
     """Both backends read a prompt as the tokens under its mask, ending at the last column."""

@@ -28,11 +28,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rlcore.agentic.chat_agent import load_agent
 from rlcore.data.dataset import first_record
 from rlcore.data.verl_schema import is_verl_row
 from rlcore.models.config import ModelConfig
 from rlcore.rewards.registry import get_reward_fn, reward_fn_for_source
+from rlcore.registry import load_named
 from rlcore.trainer.run_checkpoint import resolve_resume
 from rlcore.trainer.run_folder import check_run_folder
 
@@ -67,12 +67,20 @@ def preflight(cfg: DictConfig) -> None:
         check("trainer.resume", lambda: resolve_resume(cfg.trainer.resume, run_dir(cfg) / "checkpoints"))
         check("run folder", lambda: check_run_folder(run_dir(cfg), cfg.trainer.resume, cfg.trainer.overwrite))
     if OmegaConf.select(cfg, "agent.path") is not None:
-        check("agent.path", lambda: load_agent(cfg.agent.path))
+        check("agent.path", lambda: _check_agent(cfg.agent.path))
     if len(problems) == 1:
         raise problems[0]
     if problems:
         lines = "\n".join(f"  - {type(p).__name__}: {p}" for p in problems)
         raise PreflightError(f"{len(problems)} problems found before start-up:\n{lines}")
+
+
+def _check_agent(path: str) -> None:
+    """``agent.path`` names a class with a ``run`` method (the driver imports it as its runners will; no
+    import of the agentic layer, which needs Ray: the GPU image runs this pre-flight without it)."""
+    if not callable(getattr(load_named(path, "agent"), "run", None)):
+        where, _, name = path.rpartition(":")
+        raise ValueError(f"{path!r}: no class {name!r} with a run(ctx) method in {where}")
 
 
 def _retypable(exc: Exception) -> bool:

@@ -30,10 +30,12 @@ class RunFolderError(RuntimeError):
     """The run folder is in use by a live run, or holds another run's records."""
 
 
-def _lock(folder: Path) -> IO:
-    """The folder's lock file, locked by this process; RunFolderError naming the holder's pid if live."""
-    folder.mkdir(parents=True, exist_ok=True)
-    lock = open(folder / LOCK_FILE, "a+")
+def _lock(folder: Path, mode: str = "a+") -> IO:
+    """The folder's lock file, locked by this process; RunFolderError naming the holder's pid if live.
+    Mode ``r`` opens an existing lock file only (a check that leaves nothing behind)."""
+    if mode != "r":
+        folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / LOCK_FILE, mode)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -55,8 +57,12 @@ def _records(folder: Path, resume: str, overwrite: bool) -> list[str]:
 
 
 def check_run_folder(folder: Path, resume: str, overwrite: bool) -> None:
-    """Raise RunFolderError now if ``claim_run_folder`` would; keeps no lock, deletes nothing."""
-    lock = _lock(folder)
+    """Raise RunFolderError now if ``claim_run_folder`` would; keeps no lock, creates and deletes nothing."""
+    if not (folder / LOCK_FILE).is_file():
+        if folder.is_dir():
+            _records(folder, resume, overwrite)
+        return
+    lock = _lock(folder, "r")
     try:
         _records(folder, resume, overwrite)
     finally:

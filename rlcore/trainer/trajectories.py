@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from rlcore.agentic.multi_turn import PER_CALL_VERSIONS
+from rlcore.engines.layout import PER_CALL_VERSIONS
 from rlcore.protocol import DataProto
 from rlcore.trainer.trajectory_files import ENV_VERSION, TRAJECTORY_DIR, file_step, step_file
 

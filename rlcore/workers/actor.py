@@ -59,7 +59,8 @@ from rlcore.workers.lora import lora_scaling, merge_lora_tensors, trainable_para
 from rlcore.workers.mismatch import MismatchCollector, read_check_config
 from rlcore.workers.moe import MoEActor, micro_share
 from rlcore.workers.precision import resolve_mixed_precision
-from rlcore.workers.response_head import install_response_head, scored_positions
+from rlcore.workers.packing import load_kwargs, response_inputs
+from rlcore.workers.response_head import install_response_head
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 ROLES = ("actor", "ref")
@@ -84,7 +85,7 @@ class ActorWorker(FSDPTrainWorker):
     def init_model(self) -> None:
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **model_cfg.load_kwargs())
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **load_kwargs(model_cfg))
         self.head = install_response_head(model, self.train_cfg.logits_chunk_mb)  # scores tokens without (B, T, V) logits
         # MoE: frozen routers (actor only) and router-replay hooks; None for a dense model
         self.moe = MoEActor.build(model, self.role == "actor" and self.train_cfg.freeze_router, self.train_cfg.router_replay)
@@ -107,20 +108,19 @@ class ActorWorker(FSDPTrainWorker):
         divided by the sampler's temperature and cut by its top-k / top-p (``rlcore.algos.sampling``:
         its log-probs are of the truncated distribution), and computed in chunks inside the head,
         never for every position at once (``rlcore.workers.response_head``)."""
-        b = micro.batch
+        meta = micro.meta_info
+        # padded, or packed (model.use_remove_padding): the rows' valid tokens end to end (rlcore.workers.packing)
+        inputs = response_inputs(micro.batch, self.model_cfg.use_remove_padding)
         moe_kwargs = {}
         if self.moe is not None:
-            self.moe.before_forward(micro)  # router replay: this micro-batch's recorded experts
+            self.moe.before_forward(micro, inputs.packed)  # router replay: this micro-batch's recorded experts
             moe_kwargs["output_router_logits"] = True
-        responses, meta = b["responses"], micro.meta_info
-        keep = scored_positions(b["input_ids"].shape[1], responses.shape[1], responses.device)
-        with self.head.scoring(responses, meta.get("temperature", 1.0), meta.get("top_k", 0), meta.get("top_p", 1.0)):
-            out = self.module(
-                input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"],
-                use_cache=False, logits_to_keep=keep, **moe_kwargs,
-            )
+        with self.head.scoring(inputs.labels, meta.get("temperature", 1.0), meta.get("top_k", 0), meta.get("top_p", 1.0)):
+            out = self.module(**inputs.kwargs, use_cache=False, logits_to_keep=inputs.keep, **moe_kwargs)
         self._router_logits = out.router_logits if self.moe is not None else None  # for _loss's MoE terms
-        return out.logits[..., 0], out.logits[..., 1]
+        self._router_mask = None if inputs.packed is not None else micro.batch["attention_mask"]  # packed: all valid
+        scores = inputs.per_response(out.logits)
+        return scores[..., 0], scores[..., 1]
 
     def _infer(self, data: DataProto) -> dict[str, torch.Tensor]:
         data = data.select(batch_keys=INPUT_KEYS + self._moe_keys(data))
@@ -259,7 +259,7 @@ class ActorWorker(FSDPTrainWorker):
         """``loss`` plus the coefficients times the load-balancing and z-loss of this forward's router
         logits (its share of the mini-batch, ``micro_share``); both reported whatever the coefficients."""
         cfg = self.train_cfg
-        aux, z = self.moe.loss_terms(self._router_logits, micro.batch["attention_mask"])
+        aux, z = self.moe.loss_terms(self._router_logits, self._router_mask)
         metrics["moe_aux_loss"], metrics["moe_z_loss"] = float(aux.detach()), float(z.detach())
         return loss + float(micro_share(micro, scale)) * (cfg.moe_aux_loss_coef * aux + cfg.moe_z_loss_coef * z)
 

@@ -37,9 +37,9 @@ from rlcore.workers.fsdp_utils import (
     build_optimizer,
     forward_micro_batches,
     mixed_precision_policy,
-    response_slice,
     setup_worker,
 )
+from rlcore.workers.packing import load_kwargs, response_inputs
 from rlcore.workers.precision import resolve_mixed_precision
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
@@ -57,7 +57,7 @@ class CriticWorker(FSDPTrainWorker):
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
         dtype = torch_dtype(model_cfg.dtype)
-        backbone = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **model_cfg.load_kwargs()).base_model
+        backbone = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **load_kwargs(model_cfg)).base_model
         if model_cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=dtype)
@@ -67,9 +67,10 @@ class CriticWorker(FSDPTrainWorker):
         self.lr_scheduler = build_lr_scheduler(self.optimizer, self.train_cfg)
 
     def _values(self, micro: DataProto) -> torch.Tensor:
-        b = micro.batch
-        per_position = self.module(b["input_ids"], b["attention_mask"], b["position_ids"])
-        return response_slice(per_position, b["responses"].shape[1]).float()
+        # padded, or packed (model.use_remove_padding): the rows' valid tokens end to end (rlcore.workers.packing)
+        inputs = response_inputs(micro.batch, self.model_cfg.use_remove_padding)
+        per_position = self.module(**inputs.kwargs)
+        return inputs.per_response(per_position[:, inputs.keep]).float()
 
     @register(Dispatch.DP_COMPUTE_PROTO, balance=True)  # rows split over ranks by token count
     def compute_values(self, data: DataProto) -> DataProto:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 import shutil
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -20,15 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -46,6 +40,11 @@ from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
 from rlcore.workers.mismatch import STAND_IN
+from rlcore.workers.checkpoint import (  # noqa: F401 (load_checkpoint: rlcore.trainer.export's)
+    load_checkpoint,
+    save_checkpoint,
+    tied_aliases,
+)
 from rlcore.workers.moe import router_mp_policy
 
 
@@ -73,9 +72,11 @@ class ScalarHeadModel(nn.Module):
         super().__init__()
         self.backbone, self.head = backbone, head
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                **kwargs) -> torch.Tensor:
+        """``kwargs``: the attention kernel's own keywords (a pack's row boundaries, rlcore.workers.packing)."""
         hidden = self.backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
         ).last_hidden_state
         return self.head(hidden).squeeze(-1).clone()  # FSDP2 warns about view outputs
 
@@ -251,11 +252,6 @@ def load_micro_batch(data: DataProto, ix: np.ndarray, device: torch.device) -> t
     return micro, right
 
 
-def response_slice(per_position: torch.Tensor, response_len: int) -> torch.Tensor:
-    """Outputs at positions T_p-1 .. T-2: those that predict (or value the state before) each response token."""
-    return per_position[:, -response_len - 1 : -1]
-
-
 def global_counts(response_mask: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Valid tokens and non-empty sequences of a mini-batch, summed over all DP ranks."""
     counts = torch.stack([response_mask.bool().sum(), response_mask.bool().any(-1).sum()]).to(device, torch.float64)
@@ -272,105 +268,6 @@ def all_reduce_mean(value: torch.Tensor) -> float:
     return float(value)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-# Checkpoints hold the parameters that train: frozen ones (a LoRA actor's base) never change and
-# come back from model.path at init, so a LoRA checkpoint is its adapters and their optimizer state.
-TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
-
-
-def tied_aliases(model: nn.Module) -> set[str]:
-    """State-dict names of parameters tied to an earlier one (a tied LM head is the input embedding):
-    checkpoints and exports store each tensor once. ``torch.distributed.checkpoint`` would write an
-    alias twice (measured: two names of one 4 MB tensor took 8 MB), the 28M-parameter embedding of
-    SmolLM2-135M 113 MB of each checkpoint, and ``save_pretrained`` of gathered copies twice too."""
-    first: dict[int, str] = {}
-    aliases = set()
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases.add(name)
-        first.setdefault(id(param), name)
-    return aliases
-
-
-def save_checkpoint(path: str, model: nn.Module, optimizer, extra: dict[str, Any]) -> None:
-    """Sharded model (its trainable parameters) + optimizer through torch.distributed.checkpoint
-    (reloadable on another world size), plus this rank's ``extra`` (LR schedule, counters) and RNG
-    states. Collective."""
-    os.makedirs(path, exist_ok=True)
-    model_sd, optim_sd = (get_state_dict(model, optimizer, options=TRAINED_ONLY) if optimizer is not None
-                          else (get_model_state_dict(model, options=TRAINED_ONLY), None))
-    model_sd = {k: v for k, v in model_sd.items() if k not in tied_aliases(model)}
-    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optimizer": optim_sd}
-    _named_write(path, lambda: dcp.save(state, checkpoint_id=path))
-    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    extra_file = os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt")
-    _named_write(extra_file, lambda: torch.save({**extra, "rng": rng}, extra_file))
-    dist.barrier()
-
-
-def _named_write(path: str, write: Callable[[], Any]) -> None:
-    """``write()``, a failure re-raised naming the checkpoint file and the cause: torch's own message
-    ("unexpected pos ...", "file write failed", a per-rank CheckpointException) names neither."""
-    try:
-        write()
-    except (OSError, RuntimeError, CheckpointException) as exc:
-        causes = [e for e, _ in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
-        cause = "; ".join(f"{type(e).__name__}: {e}" for e in causes)
-        raise OSError(f"writing checkpoint {path} failed: {cause} ({_space_left(path)})") from exc
-
-
-def _space_left(path: str) -> str:
-    """What the filesystem of ``path`` has left, said plainly when it is full: torch's zip writer reports
-    a full disk as "unexpected pos", never as ENOSPC."""
-    folder = path
-    while folder and not os.path.isdir(folder):
-        folder = os.path.dirname(folder)
-    try:
-        usage = shutil.disk_usage(folder or ".")
-    except OSError:
-        return "free space unknown"
-    if usage.free < max(2**20, usage.total // 1000):
-        return f"No space left on device: {usage.free} bytes free of {usage.total} there"
-    return f"{usage.free} bytes free there"
-
-
-def load_checkpoint(path: str, model: nn.Module, optimizer) -> dict[str, Any]:
-    """Restore what ``save_checkpoint`` wrote, in place; returns this rank's ``extra`` dict."""
-    extra_file = os.path.join(path, f"extra_state_rank{dist.get_rank()}.pt")
-    if not os.path.exists(extra_file):
-        raise FileNotFoundError(f"{extra_file} is missing: not a checkpoint of this worker, or saved with fewer ranks")
-    # Frozen parameters are not in the checkpoint (TRAINED_ONLY), so the load cannot be strict;
-    # dcp.load already fails on a trainable one the checkpoint lacks, and the check below on the rest.
-    loading = StateDictOptions(ignore_frozen_params=True, strict=False)
-    aliases = tied_aliases(model)  # not in the checkpoint: loading the tensor they alias sets them
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED_ONLY)
-        state = {"model": {k: v for k, v in model_sd.items() if k not in aliases}, "optimizer": optim_sd}
-        dcp.load(state, checkpoint_id=path)
-        result = set_state_dict(model, optimizer, model_state_dict=state["model"],
-                                optim_state_dict=state["optimizer"], options=loading)
-    else:
-        model_sd = get_model_state_dict(model, options=TRAINED_ONLY)
-        state = {"model": {k: v for k, v in model_sd.items() if k not in aliases}}
-        dcp.load(state, checkpoint_id=path)
-        result = set_model_state_dict(model, state["model"], options=loading)
-    trained = set(get_model_state_dict(model, options=TRAINED_ONLY)) - aliases if result.missing_keys else set()
-    if set(result.missing_keys) & trained or result.unexpected_keys:
-        raise RuntimeError(f"checkpoint {path} does not fit the model: missing trainable "
-                           f"{sorted(set(result.missing_keys) & trained)[:5]}, unexpected {result.unexpected_keys[:5]}")
-    extra = torch.load(extra_file, weights_only=False)
-    rng = extra.pop("rng")
-    torch.set_rng_state(rng["torch"])
-    np.random.set_state(rng["numpy"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    return extra
-
-
-# ----------------------------------------------------------------------------- training workers
 class FSDPTrainWorker(Worker):
     """What the actor and critic share: the PPO-style update loop and checkpoints.
 
@@ -384,6 +281,11 @@ class FSDPTrainWorker(Worker):
     device: torch.device
     train_cfg: TrainConfig
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
+
+    @property
+    def packs(self) -> bool:
+        """Whether forwards run packed micro-batches (``model.use_remove_padding``, rlcore.workers.packing)."""
+        return bool(getattr(getattr(self, "model_cfg", None), "use_remove_padding", False))
 
     def micro_batches(self, data: DataProto, agree: bool = True) -> list[np.ndarray]:
         if self.module is None:
@@ -424,6 +326,9 @@ class FSDPTrainWorker(Worker):
         counts and response width, so the loss does not depend on the crop. ``rows_with_grad``:
         rows outside it are not run at all (``trained_micro_batches``); the per-micro-batch
         metrics then describe the rows trained, and ``{prefix}/trained_rows_frac`` says how many.
+        ``{prefix}/pad_frac_batch``: the share of padding in the mini-batches as handed over;
+        ``{prefix}/pad_frac_computed``: the share of the positions the forwards computed that were
+        padding (cropped micro-batches; 0 packed).
         """
         if self.optimizer is None:
             raise RuntimeError(f"{type(self).__name__} has no optimizer (role {getattr(self, 'role', '?')!r}, "
@@ -443,9 +348,14 @@ class FSDPTrainWorker(Worker):
             scale = LossScale(global_tokens=tokens, global_seqs=seqs, dp_size=ws, norm_len=width)
             total = torch.zeros((), device=self.device)
             trained = 0
+            valid = int(mini.batch["attention_mask"].sum())
+            metrics["pad_frac_batch"].append(1 - valid / max(mini.batch["attention_mask"].numel(), 1))
+            computed = valid_computed = 0
             for ix, counts in self.trained_micro_batches(mini, rows_with_grad):
                 micro = load_micro_batch(mini, ix, self.device)[0]
                 micro.meta_info = {**micro.meta_info, STAND_IN: not counts}  # a stand-in's statistics count nowhere
+                valid_computed += int(micro.batch["attention_mask"].sum())  # packed: every position computed is valid
+                computed += micro.batch["attention_mask"].numel()
                 loss, micro_metrics = loss_fn(micro, scale)
                 if not counts:
                     loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
@@ -457,6 +367,7 @@ class FSDPTrainWorker(Worker):
                         metrics[k].append(v)
             if rows_with_grad is not None:
                 metrics["trained_rows_frac"].append(trained / len(mini))
+            metrics["pad_frac_computed"].append(0.0 if self.packs else 1 - valid_computed / max(computed, 1))
             grad_norm, lr = clip_and_step(self.module, self.optimizer, self.lr_scheduler, cfg.grad_clip)
             metrics["loss"].append(all_reduce_mean(total))
             metrics["grad_norm"].append(grad_norm)

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from rlcore.algos.losses import LossScale
 from rlcore.models.moe import RouterReplay, load_balancing_loss, router_modules, router_top_k, router_z_loss
 from rlcore.protocol import DataProto
+from rlcore.workers.packing import Packed
 
 ROUTED_KEY = "routed_experts"
 
@@ -86,12 +87,14 @@ class MoEActor:
                            "rollout.record_routing=true (an MoE model on the HF or vLLM engine)")
         return [ROUTED_KEY]
 
-    def before_forward(self, micro: DataProto) -> None:
-        """Point the replay hooks at this micro-batch's recorded routing."""
+    def before_forward(self, micro: DataProto, packed: Packed | None = None) -> None:
+        """Point the replay hooks at this micro-batch's recorded routing (packed like its tokens when ``packed``)."""
         if self.replay is not None:
-            self.replay.set(micro.batch[ROUTED_KEY])
+            routed = micro.batch[ROUTED_KEY]
+            self.replay.set(routed if packed is None else packed.gather(routed))
 
-    def loss_terms(self, router_logits, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(load-balancing loss, z-loss) of one forward's router logits over its valid tokens."""
+    def loss_terms(self, router_logits, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(load-balancing loss, z-loss) of one forward's router logits over its valid tokens (None: all
+        of them, a packed forward's)."""
         return (load_balancing_loss(router_logits, self.num_experts, self.top_k, attention_mask),
                 router_z_loss(router_logits, attention_mask))

@@ -46,7 +46,7 @@ class ResponseHead(nn.Module):
         r = self._request
         if hidden.shape[:-1] != r.labels.shape:
             raise ValueError(f"ResponseHead.scoring: the model handed the head {tuple(hidden.shape[:-1])} positions for "
-                             f"labels {tuple(r.labels.shape)}: pass logits_to_keep=scored_positions(...) to its forward")
+                             f"labels {tuple(r.labels.shape)}: pass logits_to_keep=scored_positions(...) (packed: rlcore.workers.packing.response_inputs) to its forward")
         log_prob, entropy = token_log_probs_and_entropy(
             hidden, self.weight, r.labels, bias=self.bias, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
             chunk_tokens=self.chunk_tokens)

@@ -41,7 +41,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlcore.algos.losses import LossScale
 from rlcore.algos.preference import bradley_terry_loss
-from rlcore.models.config import ModelConfig, torch_dtype
+from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
 from rlcore.rewards.manager import RewardConfig
 from rlcore.single_controller import Dispatch, register
@@ -59,6 +59,7 @@ from rlcore.workers.fsdp_utils import (
     mixed_precision_policy,
     setup_worker,
 )
+from rlcore.workers.packing import load_kwargs, pack
 from rlcore.workers.precision import resolve_mixed_precision
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
@@ -99,7 +100,7 @@ class RewardModelWorker(FSDPTrainWorker):
         self.device = setup_worker(self, self.config, self.train_cfg.seed if self.trainable else 0)
         path = ModelConfig(path=self.path).require_local_dir()
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch_dtype(model_cfg.dtype), output_loading_info=True)
+            path, num_labels=1, output_loading_info=True, **load_kwargs(model_cfg))
         if not isinstance(getattr(model, "score", None), nn.Linear):
             raise ValueError(f"{type(model).__name__} has no linear `score` head: expected a decoder reward model")
         self.fresh_head = any(key.startswith("score.") for key in info["missing_keys"])
@@ -136,6 +137,9 @@ class RewardModelWorker(FSDPTrainWorker):
         """Each sequence's score at its last valid position; any leading shape ((B,) rows, (B, 2) pairs)."""
         shape = b["input_ids"].shape[:-1]
         ids, mask, pos = (b[k].reshape(-1, b[k].shape[-1]) for k in ("input_ids", "attention_mask", "position_ids"))
+        if self.model_cfg.use_remove_padding:  # the rows' valid tokens end to end (rlcore.workers.packing)
+            packed = pack(ids, mask, pos)
+            return self.module(**packed.model_kwargs()).float()[0, packed.last_positions()].reshape(shape)
         per_position = self.module(ids, mask, pos).float()
         last = mask.shape[1] - 1 - mask.bool().flip(-1).to(torch.int64).argmax(-1)  # rightmost valid position
         return per_position.gather(1, last.unsqueeze(1)).squeeze(1).reshape(shape)

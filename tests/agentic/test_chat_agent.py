@@ -168,7 +168,7 @@ def test_bad_agent_paths_fail_when_the_spec_is_made(model_dir, agents_file):
         ChatAgentSpec("nowhere.py:Agent", model_dir, SAMPLED)
     with pytest.raises(ValueError, match="no class 'Missing'"):
         load_agent(f"{agents_file}:Missing")
-    with pytest.raises(ValueError, match="file.py:ClassName"):
+    with pytest.raises(ValueError, match="file.py:Name"):
         load_agent("no_colon")
 
 

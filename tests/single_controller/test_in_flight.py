@@ -3,6 +3,7 @@ for Ray groups (a signal to each rank's process) and in-process groups (the driv
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,16 @@ class Napper(Worker):
     def nap_for_a_while(self, seconds: float, only_rank: int | None = None):
         if only_rank is None or only_rank == self.rank:
             time.sleep(seconds)
+        return self.rank
+
+    @register(Dispatch.ONE_TO_ALL)
+    def nap_until_released(self, folder: str, only_rank: int):
+        """On ``only_rank``: say so in ``folder``, then sleep until the test releases it (60 s at most)."""
+        if self.rank == only_rank:
+            (Path(folder) / "started").touch()
+            deadline = time.monotonic() + 60
+            while not (Path(folder) / "release").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
         return self.rank
 
     @register(Dispatch.ONE_TO_ALL, blocking=False)
@@ -57,20 +68,20 @@ def test_local_group_reports_the_running_call_and_its_thread_stack():
 
 
 @pytest.mark.slow
-def test_ray_group_names_the_pending_rank_and_dumps_its_process_stack(ray_cluster):
+def test_ray_group_names_the_pending_rank_and_dumps_its_process_stack(ray_cluster, tmp_path):
     pool = RayResourcePool([2], num_cpus_per_process=0.25, name_prefix="inflight")
     group = RayWorkerGroup(pool, ClassWithInitArgs(Napper), name_prefix="inflight")
     try:
         assert group.nap_for_a_while(0.0) == [0, 1]
         assert group.in_flight() == []
-        future = group.nap_for_a_while.options(blocking=False)(4.0, only_rank=1)
-        wait_until(lambda: group.in_flight()[0].pending == [1])  # rank 0 returned at once, rank 1 sleeps
+        future = group.nap_until_released.options(blocking=False)(str(tmp_path), only_rank=1)
+        # rank 0 returns at once; rank 1 is inside the method (not merely queued) until released
+        wait_until(lambda: group.in_flight()[0].pending == [1] and (tmp_path / "started").exists())
         [call] = group.in_flight()
-        assert (call.group, call.method, call.ranks) == ("Napper", "nap_for_a_while", [0, 1])
-        start = time.monotonic()
+        assert (call.group, call.method, call.ranks) == ("Napper", "nap_until_released", [0, 1])
         stacks = group.dump_stacks(call.pending)
-        assert time.monotonic() - start < 2.5
-        assert "nap_for_a_while" in stacks[1] and "Thread" in stacks[1], stacks[1]
+        assert "nap_until_released" in stacks[1] and "Thread" in stacks[1], stacks[1]
+        (tmp_path / "release").touch()
         assert future.get() == [0, 1]
         assert group.in_flight() == []
         # A future dropped without get() is no longer the driver's business.

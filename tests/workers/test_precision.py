@@ -11,6 +11,7 @@ from rlcore.models.config import ModelConfig
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, RayResourcePool, RayWorkerGroup
 from rlcore.workers import precision
 from rlcore.workers.actor import ActorWorker
+from rlcore.workers.packing import PACKED_EAGER
 
 CPU = torch.device("cpu")
 
@@ -84,16 +85,21 @@ def test_two_ranks_take_rank_zeros_choice(ray_cluster, tiny_model_dir, make_batc
 
 
 def test_eager_attention_gives_the_same_log_probs_and_a_bad_name_is_refused(tiny_model_dir, make_batch):
-    """``model.attn_implementation``: the actor really loads that kernel, and it scores the same tokens as
-    the default (sdpa) one, here in fp32."""
+    """``model.attn_implementation``: the padded path's actor (``use_remove_padding=false``) really loads
+    that kernel, and it scores the same tokens as the default (sdpa) one, here in fp32. Packed, eager
+    loads the packed kernel with eager math inside (rlcore.workers.packing)."""
     data = make_batch()
     got = {}
     for impl in (None, "eager"):
-        config = {"model": {"path": tiny_model_dir, "attn_implementation": impl}, "actor": {"ppo_micro_batch_size_per_gpu": 4}}
+        config = {"model": {"path": tiny_model_dir, "attn_implementation": impl, "use_remove_padding": False},
+                  "actor": {"ppo_micro_batch_size_per_gpu": 4}}
         wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, config), world_size=1)
         wg.init_model()
         assert wg.worker().module.config._attn_implementation == (impl or "sdpa")
         got[impl] = wg.compute_log_prob(data).batch["old_log_probs"] * data.batch["response_mask"]
     torch.testing.assert_close(got["eager"], got[None], atol=1e-5, rtol=0)
+    packed = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, {"model": {"path": tiny_model_dir, "attn_implementation": "eager"}}))
+    packed.init_model()
+    assert packed.worker().module.config._attn_implementation == PACKED_EAGER
     with pytest.raises(ValueError, match="model.attn_implementation must be null or one of"):
         ModelConfig(path=tiny_model_dir, attn_implementation="flash")

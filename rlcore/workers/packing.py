@@ -1,0 +1,290 @@
+"""Packed micro-batches: the valid tokens of a micro-batch's rows laid end to end in one sequence.
+
+Why: a padded micro-batch (B, T) computes every layer at B x T positions, of which only the
+attention-mask ones are real; prompts are left-padded to the longest prompt and responses
+right-padded to the longest response, so with skewed lengths half the work can be padding.
+Packed, the model runs on (1, N) with N the number of valid tokens, and nothing else changes:
+
+- positions: each token keeps its own row's ``position_ids`` (they restart at 0 per row), so RoPE
+  sees exactly what it saw padded;
+- attention: kept inside each row by the row boundaries ``cu_seqlens`` (flash-attention's varlen
+  convention), handed to the attention kernel through the model's forward keywords
+  (``cu_seq_lens_q`` ...; transformers passes them down to every attention call). No (N x N) mask is
+  ever built: the kernel registered here as ``PACKED_ATTENTION`` runs causal attention per row.
+
+The kernel (``packed_attention``): on CUDA in bf16/fp16, torch's varlen flash attention (one call for
+the whole pack) where this torch has it (``uses_varlen``; should it raise, the process falls back to
+rows, ``VARLEN_REFUSED`` says why); elsewhere one causal ``scaled_dot_product_attention`` call over the
+pack's rows laid side by side (``_rows``: each row's queries, keys and values from position 0,
+filled behind its end; GQA-aware), which on CPU is the flash kernel, without any mask; with
+``model.attn_implementation=eager``, the same layout through eager math (``PACKED_EAGER``).
+``model.attn_implementation=flash_attention_2`` (the flash-attn package) is used as it is: it reads
+the same keywords. docs/workers.md ("Packed sequences") has the measurements behind the choice.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from rlcore.models.config import ModelConfig
+from rlcore.workers.response_head import scored_positions
+
+PACKED_ATTENTION = "rlcore_packed"  # the attn_implementation name the trained roles load with when packing
+PACKED_EAGER = "rlcore_packed_eager"  # the same with eager math inside (model.attn_implementation=eager)
+VARLEN_REFUSED: list[str] = []  # why torch's varlen attention failed in this process, if it did (then rows of SDPA)
+
+try:  # torch >= 2.9 on CUDA: one varlen flash-attention call for the whole pack
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+
+@dataclass(frozen=True)
+class Packed:
+    """One micro-batch's rows, packed. ``index``: each packed token's flat position in the padded
+    (B, T) layout; ``cu_seqlens``: row boundaries in the pack (rows without tokens left out)."""
+
+    input_ids: torch.Tensor  # (1, N)
+    position_ids: torch.Tensor  # (1, N)
+    index: torch.Tensor  # (N,) int64 flat indices into B * T
+    cu_seqlens: torch.Tensor  # (R + 1,) int32
+    max_len: int
+    shape: tuple[int, int]  # the padded (B, T)
+    slot: torch.Tensor  # (B, T) int64: each padded position's index in the pack, -1 on padding
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.index.numel())
+
+    def model_kwargs(self) -> dict:
+        """The forward's keywords: the packed tokens, their own positions, no attention mask, and the row
+        boundaries that the attention kernels read (transformers' flash-attention keyword names)."""
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": None,
+                "cu_seq_lens_q": self.cu_seqlens, "cu_seq_lens_k": self.cu_seqlens,
+                "max_length_q": self.max_len, "max_length_k": self.max_len}
+
+    def gather(self, padded: torch.Tensor) -> torch.Tensor:
+        """A (B, T, ...) tensor aligned with the tokens, packed to (1, N, ...)."""
+        if tuple(padded.shape[:2]) != self.shape:
+            raise ValueError(f"Packed.gather: expected a ({self.shape[0]}, {self.shape[1]}, ...) tensor, "
+                             f"got {tuple(padded.shape)}")
+        return padded.flatten(0, 1)[self.index].unsqueeze(0)
+
+    def last_positions(self) -> torch.Tensor:
+        """(B,) each row's last token's index in the pack (its rightmost valid position)."""
+        last = torch.where(self.slot >= 0, self.slot, self.slot.new_full((), -1)).amax(1)
+        if bool((last < 0).any()):
+            raise ValueError("Packed.last_positions: a row has no valid token")
+        return last
+
+    def response_targets(self, response_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keep, where)`` for scoring the last ``response_width`` columns: ``where`` (B, T_r) marks the
+        response tokens that are valid and follow a valid token, ``keep`` (K,) the pack index of the
+        token before each (the position whose output predicts or values it), in ``where``'s row-major
+        order, so ``out[where] = values_at(keep)`` puts the results back in the padded layout."""
+        before = self.slot[:, -response_width - 1:-1]
+        where = (self.slot[:, -response_width:] >= 0) & (before >= 0)
+        return before[where], where
+
+    def scatter_responses(self, values: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """(K, ...) values of ``response_targets``' tokens into a zero (B, T_r, ...) tensor."""
+        out = values.new_zeros((*where.shape, *values.shape[1:]))
+        out[where] = values
+        return out
+
+
+def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> Packed:
+    """Pack the valid (``attention_mask`` 1) tokens of each (B, T) row, row after row.
+
+    A row's valid tokens must run without a gap (left-padded prompt, right-padded response: the
+    rollout layout); a masked hole inside a row would join its two sides, which the padded forward
+    keeps apart by the mask only in the keys, so it is refused."""
+    if input_ids.ndim != 2 or attention_mask.shape != input_ids.shape or position_ids.shape != input_ids.shape:
+        raise ValueError(f"pack: input_ids, attention_mask and position_ids must be the same (B, T) shape, got "
+                         f"{tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(position_ids.shape)}")
+    valid = attention_mask.bool()
+    lengths = valid.sum(1)
+    gapless = (valid.to(torch.int8).diff(dim=1) == 1).sum(1) <= (valid[:, 0] == 0).to(torch.int64)
+    if not bool(gapless.all()):
+        row = int((~gapless).nonzero()[0])
+        raise ValueError(f"pack: row {row}'s attention_mask has a hole between valid tokens; packing needs each "
+                         "row's tokens contiguous (set model.use_remove_padding=false for such batches)")
+    index = valid.flatten().nonzero().squeeze(1)
+    slot = torch.full(valid.shape, -1, dtype=torch.int64, device=valid.device)
+    slot.view(-1)[index] = torch.arange(index.numel(), device=valid.device)
+    nonempty = lengths[lengths > 0]
+    cu_seqlens = F.pad(nonempty.cumsum(0, dtype=torch.int32), (1, 0))
+    return Packed(input_ids=input_ids.flatten()[index].unsqueeze(0), position_ids=position_ids.flatten()[index].unsqueeze(0),
+                  index=index, cu_seqlens=cu_seqlens, max_len=int(nonempty.max()) if len(nonempty) else 0,
+                  shape=(int(valid.shape[0]), int(valid.shape[1])), slot=slot)
+
+
+def load_kwargs(model_cfg: ModelConfig) -> dict:
+    """``from_pretrained`` keywords of a trained role: ``model_cfg``'s, with the packed attention kernel
+    when ``model.use_remove_padding``: SDPA inside, or eager math where ``model.attn_implementation``
+    is eager (``flash_attention_2``, when chosen, reads packs as it is)."""
+    kwargs = model_cfg.load_kwargs()
+    chosen = kwargs.get("attn_implementation")
+    if model_cfg.use_remove_padding and chosen != "flash_attention_2":
+        kwargs["attn_implementation"] = PACKED_EAGER if chosen == "eager" else PACKED_ATTENTION
+    return kwargs
+
+
+@dataclass(frozen=True)
+class ForwardInputs:
+    """What a forward that reads one output per response token needs, padded or packed: the model's
+    keywords, ``keep`` (the positions whose outputs are read: ``logits_to_keep``), the response tokens
+    they predict (``labels``, (B, T_r) padded, (1, K) packed) and ``where`` (packed: the (B, T_r)
+    entries the K outputs go back to; None padded)."""
+
+    kwargs: dict
+    keep: torch.Tensor
+    labels: torch.Tensor
+    where: torch.Tensor | None
+    packed: Packed | None
+
+    def per_response(self, outputs: torch.Tensor) -> torch.Tensor:
+        """(B, T_r, ...) from the model's outputs at ``keep``: as they are padded; packed, scattered back
+        into zeros (the response padding, which no caller reads)."""
+        return outputs if self.where is None else self.packed.scatter_responses(outputs[0], self.where)
+
+
+def response_inputs(batch, packing: bool) -> ForwardInputs:
+    """The forward's inputs for a micro-batch in the rollout layout (input_ids, attention_mask,
+    position_ids, responses), packed when ``packing``."""
+    ids, responses = batch["input_ids"], batch["responses"]
+    t_r = responses.shape[1]
+    if not packing:
+        keep = scored_positions(ids.shape[1], t_r, ids.device)
+        kwargs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "position_ids": batch["position_ids"]}
+        return ForwardInputs(kwargs, keep, responses, None, None)
+    packed = pack(ids, batch["attention_mask"], batch["position_ids"])
+    keep, where = packed.response_targets(t_r)
+    return ForwardInputs(packed.model_kwargs(), keep, responses[where].unsqueeze(0), where, packed)
+
+
+# ----------------------------------------------------------------------------- the attention kernel
+def packed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                     scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: ``query`` (1, H, N, D), ``key``/``value``
+    (1, H_kv, N, D) of a pack; returns (1, N, H, D). Causal attention within each row of
+    ``kwargs["cu_seq_lens_q"]``; without it (an unpacked call, e.g. one padded row) the whole
+    sequence is one row, and a padding mask is refused rather than ignored."""
+    return _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs, _sdpa)
+
+
+def packed_eager_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                           scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """``packed_attention`` with transformers' eager math inside (``model.attn_implementation=eager``):
+    scores, causal mask and an fp32 softmax per row, (rows, H, L, L) at most, never (N x N)."""
+    return _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs, _eager)
+
+
+def _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs, inner):
+    cu = kwargs.get("cu_seq_lens_q")
+    if attention_mask is not None:
+        raise ValueError(f"{PACKED_ATTENTION} attention takes packed rows without a mask (rlcore.workers.packing.pack)")
+    if getattr(module, "sliding_window", None):
+        raise ValueError(f"{PACKED_ATTENTION} attention has no sliding window: load this model with another "
+                         "attn_implementation (model.use_remove_padding=false)")
+    if query.shape[0] != 1 and cu is not None:
+        raise ValueError(f"{PACKED_ATTENTION} attention expects one packed sequence, got batch {query.shape[0]}")
+    dropout = dropout if module.training else 0.0
+    if inner is _sdpa and not query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
+        inner = _sdpa_fp32
+    if cu is None:
+        return inner(query, key, value, scaling, dropout).transpose(1, 2).contiguous(), None
+    if uses_varlen(query) and dropout == 0.0:
+        try:
+            out = _varlen(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling)
+            return out.transpose(1, 2).contiguous(), None
+        except (RuntimeError, TypeError, NotImplementedError) as exc:  # this torch / GPU refuses it: rows from now on
+            VARLEN_REFUSED.append(f"{type(exc).__name__}: {exc}"[:500])
+            warnings.warn(f"torch varlen attention refused ({VARLEN_REFUSED[-1]}); packed attention runs as rows of SDPA")
+    return _rows(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling, dropout, inner), None
+
+
+def uses_varlen(query: torch.Tensor) -> bool:
+    """Whether a pack's attention runs as torch's varlen flash attention: CUDA, bf16 or fp16 (the flash
+    kernel's dtypes; fp32 packs run as rows of SDPA), a torch that has it and has not refused it."""
+    return (query.is_cuda and query.dtype in (torch.bfloat16, torch.float16) and _varlen_attn is not None
+            and not VARLEN_REFUSED)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _sdpa_fp32(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout: float) -> torch.Tensor:
+    """SDPA on CPU for bf16 inputs, computed in fp32: torch 2.13's CPU flash kernel measured 1.1-2.2x
+    slower in bf16 than in fp32 (forward + backward, rows of 76-300 tokens), casts included."""
+    return _sdpa(q.float(), k.float(), v.float(), scale, dropout).to(q.dtype)
+
+
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, dropout: float) -> torch.Tensor:
+    """Causal attention as transformers' eager kernel computes it (softmax in fp32), on (B, H, L, D)."""
+    if k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    length = q.shape[2]
+    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(F.dropout(probs, p=dropout, training=dropout > 0), v)
+
+
+def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+          scale: float | None, dropout: float, inner) -> torch.Tensor:
+    """Causal attention of each row of a pack in one batched ``inner`` call (SDPA or eager): q, k, v
+    are laid out as (rows, heads, longest row, head_dim), each row from position 0 and zero-filled
+    behind its end, and the outputs at the rows' own positions are gathered back, (1, N, H, D).
+
+    Right-filled rows need no mask: a causal query sees only keys at or before it, all of them the
+    row's own tokens; the filled queries' outputs are dropped. So the kernel is the causal one
+    (SDPA's flash kernel on CPU: no (L x L) scores, let alone (N x N)), one call forward and one
+    backward, where a call per row measured several times slower for many short rows
+    (docs/workers.md). Only attention sees the fill; every other layer runs on the N packed tokens."""
+    lengths = cu.diff().to(torch.int64)
+    max_len = max_len or int(lengths.max())
+    rows, n, device = lengths.numel(), q.shape[2], q.device
+    cu = cu.to(device, torch.int64)
+    row = torch.repeat_interleave(torch.arange(rows, device=device), lengths.to(device), output_size=n)
+    slot = row * max_len + torch.arange(n, device=device) - cu[row]  # each token's place in (rows x max_len)
+    # and each place's token, or n (a zero row appended) behind a row's end: one gather each way, whose
+    # backward is an index_add (a scatter into zeros by advanced indexing measured ~3x slower here)
+    col = torch.arange(max_len, device=device)
+    source = torch.where(col < lengths.to(device)[:, None], cu[:-1, None] + col, n).flatten()
+
+    def spread(t: torch.Tensor) -> torch.Tensor:  # (1, H, N, D) -> (rows, H, max_len, D)
+        flat = t[0].transpose(0, 1)  # (N, H, D)
+        flat = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
+        return flat.index_select(0, source).view(rows, max_len, *flat.shape[1:]).transpose(1, 2)
+
+    out = inner(spread(q), spread(k), spread(v), scale, dropout)  # (rows, H, max_len, D)
+    return out.transpose(1, 2).reshape(rows * max_len, out.shape[1], out.shape[3]).index_select(0, slot).unsqueeze(0)
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+            scale: float | None) -> torch.Tensor:
+    """torch's varlen flash attention over the whole pack; its causal argument is named differently
+    across torch releases (``is_causal`` earlier, ``window_size=(-1, 0)`` later)."""
+    if k.shape[1] != q.shape[1]:  # GQA: expand the KV heads (older releases lack enable_gqa)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (q, k, v))  # (N, H, D)
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    max_len = max_len or int(cu.diff().max())
+    causal = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else {"window_size": (-1, 0)}
+    out = _varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal)
+    return out.transpose(0, 1).unsqueeze(0)  # (1, H, N, D)
+
+
+_VARLEN_PARAMS = set(inspect.signature(_varlen_attn).parameters) if _varlen_attn is not None else set()
+AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+AttentionInterface.register(PACKED_EAGER, packed_eager_attention)
