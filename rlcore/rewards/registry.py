@@ -22,14 +22,10 @@ package) decides MATH answers the exact `math` checker cannot; `math` stays the 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
-from rlcore.registry import Registry
+from rlcore.registry import Registry, load_named
 from rlcore.rewards.math_answers import (
     answers_equal,
     extract_boxed,
@@ -59,11 +55,10 @@ def get_reward_fn(name_or_path: str) -> RewardFn:
         raise ValueError(f"unknown reward function {name_or_path!r}; registered: "
                          f"{_REGISTRY.names()}, or give 'package.module:function' or "
                          f"'/path/file.py:function'")
-    where, attr = name_or_path.rsplit(":", 1)
-    module = _load_module(where)
-    if not hasattr(module, attr):
+    fn = load_named(name_or_path, "reward function")
+    if fn is None:
+        where, attr = name_or_path.rsplit(":", 1)
         raise ValueError(f"{where!r} defines no {attr!r} (from reward function {name_or_path!r})")
-    fn = getattr(module, attr)
     if not callable(fn):
         raise TypeError(f"{name_or_path!r} is a {type(fn).__name__}, "
                         "not a callable reward function")
@@ -91,19 +86,6 @@ def reward_fn_for_source(source: str) -> str | None:
     if source in VERL_DATA_SOURCES:
         return VERL_DATA_SOURCES[source]
     return next((name for prefix, name in VERL_SOURCE_PREFIXES.items() if source.startswith(prefix)), None)
-
-
-def _load_module(where: str):
-    if not where.endswith(".py"):
-        return importlib.import_module(where)
-    path = Path(where)
-    if not path.is_file():
-        raise FileNotFoundError(f"reward function file {where!r} does not exist")
-    module_name = "rlcore_user_reward_" + re.sub(r"\W", "_", str(path.resolve()))
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @register_reward_fn("arithmetic")
