@@ -19,7 +19,8 @@ token-mean loss, constant lr, no weight decay), then the next step uses the upda
           natively (AMX / AVX512-BF16), else fp32 (``rlcore.engines.dtype_choice``); the actor
           trains in ``--train-dtype`` (default ``model.mixed_precision=auto``: bf16 only where
           native and measured faster on this model, ``rlcore.workers.precision``, else fp32);
-          every row is trained, as TRL does (``--skip-zero-advantage-rows``: rlcore's default)
+          every row is trained, as TRL does (``--skip-zero-advantage-rows``: rlcore's default);
+          packed micro-batches hold each group's prompt once (``--no-shared-prompts``: once per row)
   TRL     ``GRPOTrainer`` with HF ``generate``, fp32 (``--trl-bf16``: bf16=True), beta=0 (no
           reference model), as on CPU
 
@@ -87,7 +88,7 @@ def run_rlcore(args) -> dict:
     # (the builder turns a run config's prompts into rows): here the whole batch, one optimizer step.
     config = {
         "model": {"path": args.model, "mixed_precision": None if args.train_dtype == "fp32" else args.train_dtype,
-                  "attn_implementation": args.attn},
+                  "attn_implementation": args.attn, "pack_shared_prompts": args.shared_prompts},
         "rollout": {"backend": args.backend, "dtype": args.rollout_dtype, "n": args.n, "max_new_tokens": args.new_tokens,
                     "ignore_eos": not args.free_length, "kv_cache_memory_bytes": 1 << 30},
         "actor": {"lr": args.lr, "weight_decay": 0.0, "ppo_mini_batch_size": rows,
@@ -109,7 +110,7 @@ def run_rlcore(args) -> dict:
     items = [{"input_ids": torch.tensor(prompt_ids(tok, e["prompt"])), "ground_truth": e["answer"], "uid": str(i)}
              for i, e in enumerate(examples)]
     tensors, non_tensors = collate_prompts(items, tok.pad_token_id)
-    step_times, rewards, stages, trained = [], [], {}, []
+    step_times, rewards, stages, trained, shared = [], [], {}, [], []
 
     def timed(stage, fn, *a):
         start = time.perf_counter()
@@ -126,13 +127,14 @@ def run_rlcore(args) -> dict:
         batch.batch["advantages"] = adv
         metrics = timed("update", actor.update_policy, batch)[0]
         trained.append(metrics.get("actor/trained_rows_frac", 1.0))
+        shared.append(metrics.get("actor/shared_prompt_frac", 0.0))
         timed("sync", rollout.sync_weights)
         step_times.append(time.perf_counter() - start)
         rewards.append(float(batch.batch["reward_scores"].mean()))
     assert len(batch) == rows
     assert args.free_length or int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
     return {"step_s": step_times, "reward": rewards, "torch_threads": threads, "stages_s": stages,
-            "trained_rows_frac": trained, "train_dtype": train_dtype}
+            "trained_rows_frac": trained, "shared_prompt_frac": shared, "train_dtype": train_dtype}
 
 
 def run_trl(args) -> dict:
@@ -192,12 +194,14 @@ def cpu_flags() -> dict:
 
 def spawn(side: str, args, backend: str | None = None) -> dict:
     """One side's run in a fresh interpreter (vLLM changes process-wide torch settings)."""
-    skip = ("side", "free_length", "skip_zero_advantage_rows", "trl_bf16", "backends", "json", "quick", "backend")
+    skip = ("side", "free_length", "skip_zero_advantage_rows", "trl_bf16", "backends", "json", "quick", "backend",
+            "shared_prompts")
     cmd = [sys.executable, os.path.abspath(__file__), "--side", side] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
     cmd += ["--free-length"] if args.free_length else []
     cmd += ["--skip-zero-advantage-rows"] if args.skip_zero_advantage_rows else []
     cmd += ["--trl-bf16"] if args.trl_bf16 else []
+    cmd += [] if args.shared_prompts else ["--no-shared-prompts"]
     cmd += [f"--backend={backend}"] if backend else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -223,6 +227,8 @@ def main() -> None:
                              "faster on this model, rlcore.workers.precision)")
     parser.add_argument("--attn", default=None, choices=["eager", "sdpa"],
                         help="rlcore's model.attn_implementation (default: transformers' choice, sdpa)")
+    parser.add_argument("--shared-prompts", default=True, action=argparse.BooleanOptionalAction,
+                        help="rlcore's model.pack_shared_prompts: packs hold each group's prompt once (the default)")
     parser.add_argument("--trl-bf16", action="store_true", help="TRL trains with bf16=True (autocast) instead of fp32")
     parser.add_argument("--model", help="an HF directory, a .gguf file or smollm2 (default: a fresh tiny model of --preset)")
     parser.add_argument("--task", default="arithmetic", choices=["arithmetic", "arithmetic_words", "multi_step"],
@@ -287,7 +293,8 @@ def main() -> None:
         if stages:
             print(f"  {side:12s} stages: " + ", ".join(f"{k} {v:.3f} s ({v / step[side]:.0%})" for k, v in stages.items()))
         if "trained_rows_frac" in r:
-            print(f"  {side:12s} rows trained per step {[round(f, 2) for f in r['trained_rows_frac'][:10]]}")
+            print(f"  {side:12s} rows trained per step {[round(f, 2) for f in r['trained_rows_frac'][:10]]}, "
+                  f"share of their tokens held once as shared prompts {[round(f, 2) for f in r['shared_prompt_frac'][:10]]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": {k: v for k, v in vars(args).items() if k != "side"}, "cpu": flags, "step_s": step,

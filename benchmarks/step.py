@@ -8,7 +8,9 @@
 on the arithmetic-in-words task, vLLM sampling, its micro-batch sizes) and ``model.path`` set to it.
 The update's padding share is reported before and after packing: of the batch as sampled
 (``actor/pad_frac_batch``) and of the positions its forwards computed (``actor/pad_frac_computed``: 0
-with ``model.use_remove_padding``, the default; compare ``model.use_remove_padding=false``).
+with ``model.use_remove_padding``, the default; compare ``model.use_remove_padding=false``), with the
+share of the valid tokens that packs holding each group's prompt once did not compute
+(``actor/shared_prompt_frac``, ``model.pack_shared_prompts``, the default).
 Every run reports the peak resident memory (``VmHWM``) of the driver and of each rank's process, read
 at every step's end: what decides whether a setting fits a 24 GB machine.
 
@@ -195,10 +197,13 @@ def main() -> None:
     print(f"  {'total fixed':<62}{total:>7.3f} s{total / wall:>6.0%}")
     print(f"rollout tokens/s (generated): {median(rows, 'rollout/tokens_per_s'):.0f}")
     print("peak resident memory: " + ", ".join(f"{who} {n / 2**30:.2f} GiB" for who, n in peaks.items()))
-    padding = {"batch": median(rows, "actor/pad_frac_batch"), "computed": median(rows, "actor/pad_frac_computed")}
+    padding = {"batch": median(rows, "actor/pad_frac_batch"), "computed": median(rows, "actor/pad_frac_computed"),
+               "shared_prompt": median(rows, "actor/shared_prompt_frac")}
+    shared = padding["shared_prompt"]
     print(f"padding share of the update: {padding['batch']:.0%} of the batch as sampled, {padding['computed']:.0%} of "
           f"the positions its forwards computed ({'packed' if padding['computed'] == 0 else 'padded micro-batches'}); "
-          f"update {median(rows, 'timing_s/update_actor'):.3f} s")
+          + ("" if shared != shared else f"{shared:.0%} of the valid tokens held once as shared prompts; ")
+          + f"update {median(rows, 'timing_s/update_actor'):.3f} s")
     trained = median(rows, "actor/trained_rows_frac")  # with skip_zero_advantage_rows where it applies (no KL loss)
     print(f"rows the actor trained on: {'all' if trained != trained else f'{trained:.0%} (the rest had zero advantage)'}")
     if args.json:

@@ -110,7 +110,7 @@ class ActorWorker(FSDPTrainWorker):
         never for every position at once (``rlcore.workers.response_head``)."""
         meta = micro.meta_info
         # padded, or packed (model.use_remove_padding): the rows' valid tokens end to end (rlcore.workers.packing)
-        inputs = response_inputs(micro.batch, self.model_cfg.use_remove_padding)
+        inputs = response_inputs(micro.batch, self.model_cfg.use_remove_padding, self.shares_prompts)
         moe_kwargs = {}
         if self.moe is not None:
             self.moe.before_forward(micro, inputs.packed)  # router replay: this micro-batch's recorded experts

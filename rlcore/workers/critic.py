@@ -68,7 +68,7 @@ class CriticWorker(FSDPTrainWorker):
 
     def _values(self, micro: DataProto) -> torch.Tensor:
         # padded, or packed (model.use_remove_padding): the rows' valid tokens end to end (rlcore.workers.packing)
-        inputs = response_inputs(micro.batch, self.model_cfg.use_remove_padding)
+        inputs = response_inputs(micro.batch, self.model_cfg.use_remove_padding, self.shares_prompts)
         per_position = self.module(**inputs.kwargs)
         return inputs.per_response(per_position[:, inputs.keep]).float()
 

@@ -46,6 +46,7 @@ from rlcore.workers.checkpoint import (  # noqa: F401 (load_checkpoint: rlcore.t
     tied_aliases,
 )
 from rlcore.workers.moe import router_mp_policy
+from rlcore.workers.packing import borrowed_prompt_tokens, group_items, prompt_groups, shares_prompts
 
 
 def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
@@ -196,20 +197,31 @@ def clip_and_step(model: nn.Module, optimizer, lr_scheduler, grad_clip: float | 
 
 # ----------------------------------------------------------------------------- micro-batching
 def micro_batch_indices(data: DataProto, micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int,
-                        device: torch.device | None = None, agree: bool = True) -> list[np.ndarray]:
+                        device: torch.device | None = None, agree: bool = True,
+                        share_prompts: bool = False) -> list[np.ndarray]:
     """Row indices of each micro-batch: fixed row counts, or packed to a token budget. Packed, every DP
     rank gets as many micro-batches as the rank that needs most (one all-reduce on ``device``): each
     forward is a round of FSDP collectives, and a rank running fewer would leave the others waiting.
-    ``agree=False``: this rank's own packing; the caller makes the counts agree (``trained_micro_batches``)."""
+    ``agree=False``: this rank's own packing; the caller makes the counts agree (``trained_micro_batches``).
+
+    ``share_prompts`` (packs that hold a shared prompt once, ``rlcore.workers.packing``): the rows of a
+    prompt group go into the same micro-batch where they can (rows in group order; a token budget
+    counts the prompt once per micro-batch), so that their prompt is computed once. The order of
+    rows within a mini-batch changes no gradient: its micro-batches' losses are summed."""
+    groups = prompt_groups(data.batch) if share_prompts and "responses" in data.batch.keys() else None
     if use_dynamic_bsz:
         lengths = data.batch["attention_mask"].sum(-1).tolist()
-        count = len(rearrange_micro_batches(lengths, max_token_len))
+        items, costs = group_items(data.batch, groups, max_token_len) if groups else (None, lengths)
+        count = len(rearrange_micro_batches(costs, max_token_len))
         if agree:
             count = max_over_ranks(count, device)
-        return [np.asarray(ix) for ix in rearrange_micro_batches(lengths, max_token_len, count)]
+        if items is None or count > len(items):  # rows, each its own item (also when groups are too few to split)
+            return [np.asarray(ix) for ix in rearrange_micro_batches(lengths, max_token_len, count)]
+        return [np.concatenate([items[i] for i in ix]) for ix in rearrange_micro_batches(costs, max_token_len, count)]
     if micro_batch_size <= 0:
         raise ValueError(f"micro-batch size must be positive, got {micro_batch_size}")
-    return [np.arange(s, min(s + micro_batch_size, len(data))) for s in range(0, len(data), micro_batch_size)]
+    order = np.concatenate(groups) if groups else np.arange(len(data))
+    return [order[s:s + micro_batch_size] for s in range(0, len(data), micro_batch_size)]
 
 
 def max_over_ranks(count: int, device: torch.device | None) -> int:
@@ -287,12 +299,18 @@ class FSDPTrainWorker(Worker):
         """Whether forwards run packed micro-batches (``model.use_remove_padding``, rlcore.workers.packing)."""
         return bool(getattr(getattr(self, "model_cfg", None), "use_remove_padding", False))
 
+    @property
+    def shares_prompts(self) -> bool:
+        """Whether packs hold each shared prompt once (``model.pack_shared_prompts``, rlcore.workers.packing)."""
+        model_cfg = getattr(self, "model_cfg", None)
+        return model_cfg is not None and shares_prompts(model_cfg, getattr(self, "moe", None))
+
     def micro_batches(self, data: DataProto, agree: bool = True) -> list[np.ndarray]:
         if self.module is None:
             raise RuntimeError(f"{type(self).__name__}: call init_model() first")
         cfg = self.train_cfg
         return micro_batch_indices(data, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz,
-                                   cfg.ppo_max_token_len_per_gpu, self.device, agree)
+                                   cfg.ppo_max_token_len_per_gpu, self.device, agree, self.shares_prompts)
 
     def trained_micro_batches(self, mini: DataProto, rows_with_grad: Callable[[DataProto], torch.Tensor] | None
                               ) -> list[tuple[np.ndarray, bool]]:
@@ -328,7 +346,8 @@ class FSDPTrainWorker(Worker):
         metrics then describe the rows trained, and ``{prefix}/trained_rows_frac`` says how many.
         ``{prefix}/pad_frac_batch``: the share of padding in the mini-batches as handed over;
         ``{prefix}/pad_frac_computed``: the share of the positions the forwards computed that were
-        padding (cropped micro-batches; 0 packed).
+        padding (cropped micro-batches; 0 packed); ``{prefix}/shared_prompt_frac``: the share of the
+        valid tokens that packs holding shared prompts once did not compute (``model.pack_shared_prompts``).
         """
         if self.optimizer is None:
             raise RuntimeError(f"{type(self).__name__} has no optimizer (role {getattr(self, 'role', '?')!r}, "
@@ -350,12 +369,14 @@ class FSDPTrainWorker(Worker):
             trained = 0
             valid = int(mini.batch["attention_mask"].sum())
             metrics["pad_frac_batch"].append(1 - valid / max(mini.batch["attention_mask"].numel(), 1))
-            computed = valid_computed = 0
+            computed = valid_computed = borrowed = 0
             for ix, counts in self.trained_micro_batches(mini, rows_with_grad):
                 micro = load_micro_batch(mini, ix, self.device)[0]
                 micro.meta_info = {**micro.meta_info, STAND_IN: not counts}  # a stand-in's statistics count nowhere
                 valid_computed += int(micro.batch["attention_mask"].sum())  # packed: every position computed is valid
                 computed += micro.batch["attention_mask"].numel()
+                if self.shares_prompts and "responses" in micro.batch.keys():
+                    borrowed += borrowed_prompt_tokens(micro.batch)
                 loss, micro_metrics = loss_fn(micro, scale)
                 if not counts:
                     loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
@@ -368,6 +389,8 @@ class FSDPTrainWorker(Worker):
             if rows_with_grad is not None:
                 metrics["trained_rows_frac"].append(trained / len(mini))
             metrics["pad_frac_computed"].append(0.0 if self.packs else 1 - valid_computed / max(computed, 1))
+            if self.shares_prompts:
+                metrics["shared_prompt_frac"].append(borrowed / max(valid_computed, 1))
             grad_norm, lr = clip_and_step(self.module, self.optimizer, self.lr_scheduler, cfg.grad_clip)
             metrics["loss"].append(all_reduce_mean(total))
             metrics["grad_norm"].append(grad_norm)
