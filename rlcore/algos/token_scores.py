@@ -7,7 +7,10 @@ products of the entropy), and autograd keeps some of them for the backward. Here
 matmul, the fp32 cast, the temperature, the sampler's top-k / top-p filter, the log-softmax and
 the entropy run on ``chunk_tokens`` positions at a time, and the backward is written out
 (``_ChunkScores``): it keeps only each position's log-sum-exp and expected logit, recomputes one
-chunk's logits at a time and turns them into the gradient at once. At most one chunk's logits (and
+chunk's logits at a time and turns them into the gradient in place. Each full-vocabulary pass is
+a pass over memory (a chunk of 341 x 49k fp32 logits is 64 MiB), so the forward makes the fewest
+(max, exp and one dot product; no softmax tensor) and the backward reuses the forward's
+log-sum-exp and E and skips the entropy's term when the loss does not use the entropy. At most one chunk's logits (and
 two tensors of its size) exist at any moment, whatever the batch; the price is the head's matmul
 once more in the backward, over the response positions only.
 
@@ -42,15 +45,26 @@ def chunk_tokens_for(vocab_size: int, chunk_mb: float) -> int:
 def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, top_k: int,
             top_p: float) -> Tensor:
     """One chunk's fp32 logits as the sampler saw them: / temperature, then top-k / top-p (-inf)."""
-    return filter_logits(F.linear(hidden, weight, bias).float() / temperature, top_k, top_p, labels)
+    z = F.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        z.div_(temperature)
+    return filter_logits(z, top_k, top_p, labels)
 
 
-def _stats(z: Tensor, filtered: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(probabilities, log-sum-exp, expected logit E, z with filtered entries at 0) of a chunk."""
-    lse = torch.logsumexp(z, dim=-1)
-    p = torch.softmax(z, dim=-1)
-    finite = z.masked_fill(torch.isneginf(z), 0.0) if filtered else z  # p = 0 there: 0 * -inf would be NaN
-    return p, lse, (p * finite).sum(-1), finite
+def _lse_expected_entropy(z: Tensor, filtered: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-sum-exp, expected logit E = sum_v p_v z_v, entropy = lse - E) of a chunk's logits, from
+    the shifted logits s = z - max and e = exp(s): two temporaries of the chunk's size, no softmax
+    tensor. The entropy is log(sum e) - (e . s) / sum e, free of the cancellation of lse - E when
+    both are large."""
+    top = z.amax(-1, keepdim=True)
+    shifted = z - top
+    e = torch.exp(shifted)
+    total = e.sum(-1)
+    if filtered:  # e = 0 there: 0 * -inf would be NaN
+        shifted.masked_fill_(torch.isneginf(shifted), 0.0)
+    mean_shift = torch.linalg.vecdot(e, shifted) / total
+    top = top.squeeze(-1)
+    return top + total.log(), top + mean_shift, total.log() - mean_shift
 
 
 class _ChunkScores(torch.autograd.Function):
@@ -63,36 +77,54 @@ class _ChunkScores(torch.autograd.Function):
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
             z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
-            _, lse[s:e], expected[s:e], _ = _stats(z, filtered)
+            lse[s:e], expected[s:e], entropy[s:e] = _lse_expected_entropy(z, filtered)
             log_prob[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse[s:e]
-            entropy[s:e] = lse[s:e] - expected[s:e]
-        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, expected)
         ctx.settings = (temperature, top_k, top_p, chunk_tokens, filtered)
+        ctx.set_materialize_grads(False)  # an output the loss does not use (often the entropy) gets None
         return log_prob, entropy
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):
-        hidden, weight, bias, labels = ctx.saved_tensors
+        """Per chunk, the logits once more and, in place on them, p = exp(z - lse) times the per-row
+        factors of both gradients (their sum is linear in z: -g_lp - g_ent (z - E)); the one-hot
+        part of the log-prob's added at the labels; divided by the temperature through the factors."""
+        hidden, weight, bias, labels, lse, expected = ctx.saved_tensors
         temperature, top_k, top_p, chunk_tokens, filtered = ctx.settings
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_h = torch.zeros_like(hidden) if want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_b else None
+        grad_h = torch.empty_like(hidden) if want_h else None
+        grad_w = grad_b = None
+        if grad_log_prob is None and grad_entropy is None:
+            return None, None, None, None, None, None, None, None
         n = hidden.shape[0]
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
             z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
-            p, _, expected, finite = _stats(z, filtered)
-            g_lp, g_ent = grad_log_prob[s:e, None], grad_entropy[s:e, None]
-            grad_z = p * (-g_lp - g_ent * (finite - expected[:, None]))  # the -p_v parts of both
-            grad_z.scatter_add_(-1, labels[s:e, None], g_lp)  # + 1[v = y] of the log-prob's
-            grad_pre = (grad_z / temperature).to(hidden.dtype)
+            g_lp = grad_log_prob[s:e, None] / temperature if grad_log_prob is not None else None
+            if grad_entropy is not None:  # the entropy's factor -g_ent (z - E), before z turns into p
+                g_ent = grad_entropy[s:e, None] / temperature
+                factor = z - expected[s:e, None]
+                if filtered:  # p = 0 there: 0 * -inf would be NaN
+                    factor.masked_fill_(torch.isneginf(z), 0.0)
+                factor.mul_(-g_ent)
+                if g_lp is not None:
+                    factor.sub_(g_lp)
+            grad_z = z.sub_(lse[s:e, None]).exp_()  # p, in place of the logits
+            if grad_entropy is not None:
+                grad_z.mul_(factor)
+            else:
+                grad_z.mul_(-g_lp)
+            if g_lp is not None:
+                grad_z.scatter_add_(-1, labels[s:e, None], g_lp)  # + 1[v = y] of the log-prob's
+            grad_pre = grad_z.to(hidden.dtype)
             if want_h:
                 grad_h[s:e] = grad_pre @ weight
             if want_w:
-                grad_w += (grad_pre.t() @ hidden[s:e]).float()
+                part = grad_pre.t() @ hidden[s:e]
+                grad_w = part.float() if grad_w is None else grad_w.add_(part)
             if want_b:
-                grad_b += grad_pre.float().sum(0)
+                part = grad_pre.float().sum(0)
+                grad_b = part if grad_b is None else grad_b.add_(part)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
                 None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
 

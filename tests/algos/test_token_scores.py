@@ -10,7 +10,9 @@ from rlcore.algos.token_scores import chunk_tokens_for, token_log_probs_and_entr
 
 
 def _full(hidden, weight, bias, labels, temperature, top_k, top_p):
-    logits = filter_logits((hidden @ weight.T + bias).float() / temperature, top_k, top_p, labels)
+    """The plain path in the inputs' dtype (float64 here: the reference the fp32 chunks must meet to 1e-6;
+    an fp32 ``logsumexp - sum(p z)`` misses small entropies by ~4e-6)."""
+    logits = filter_logits((hidden @ weight.T + bias) / temperature, top_k, top_p, labels)
     return logprobs_from_logits(logits, labels), entropy_from_logits(logits)
 
 
@@ -30,7 +32,7 @@ def test_chunks_equal_the_full_logits_in_value_and_gradient(chunk, top_k, top_p)
     lp, ent = token_log_probs_and_entropy(hidden, weight, labels, bias=bias, temperature=0.7, top_k=top_k,
                                           top_p=top_p, chunk_tokens=chunk)
     assert lp.shape == ent.shape == labels.shape and lp.dtype == torch.float32
-    torch.testing.assert_close(lp, ref_lp.float(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(lp, ref_lp.float(), rtol=1e-6, atol=1e-6)  # fp32: log-probs near -22 carry ~2e-6
     torch.testing.assert_close(ent, ref_ent.float(), rtol=0, atol=1e-6)
     (lp.sum() + 0.3 * ent.sum()).backward()
     for name, t, ref in zip(("hidden", "weight", "bias"), (hidden, weight, bias), ref_grads):
@@ -77,3 +79,22 @@ def test_backward_keeps_no_chunk_of_logits():
     assert all(n != 8 * 4096 for n in saved)
     (lp.sum() + ent.sum()).backward()
     assert hidden.grad is not None and weight.grad is not None
+
+
+@pytest.mark.parametrize("used", ["log_prob", "entropy"])
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_gradient_when_the_loss_reads_one_output_only(used, top_k):
+    """A PPO loss without an entropy bonus never reads the entropy (its gradient comes as None and that
+    term is skipped); an entropy-only loss never reads the log-prob: both equal float64 autograd."""
+    g = torch.Generator(torch.get_default_device()).manual_seed(1)
+    hidden = torch.randn(4, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(40, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 40, (4,), generator=g)
+    coef = torch.randn(4, generator=g, dtype=torch.float64)
+    pick = 0 if used == "log_prob" else 1
+    ref = _full(hidden, weight, torch.zeros(40, dtype=torch.float64), labels, 1.3, top_k, 1.0)[pick]
+    ref_grads = torch.autograd.grad((ref * coef).sum(), (hidden, weight))
+    out = token_log_probs_and_entropy(hidden, weight, labels, temperature=1.3, top_k=top_k, chunk_tokens=3)[pick]
+    grads = torch.autograd.grad((out * coef.float()).sum(), (hidden, weight))
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
