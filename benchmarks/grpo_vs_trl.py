@@ -93,6 +93,7 @@ def run_rlcore(args) -> dict:
                     "ignore_eos": not args.free_length, "kv_cache_memory_bytes": 1 << 30},
         "actor": {"lr": args.lr, "weight_decay": 0.0, "ppo_mini_batch_size": rows,
                   "ppo_micro_batch_size_per_gpu": args.micro_batch,
+                  "use_dynamic_bsz": bool(args.token_budget), "ppo_max_token_len_per_gpu": args.token_budget or 16384,
                   "skip_zero_advantage_rows": args.skip_zero_advantage_rows},
     }
     group = LocalWorkerGroup(create_colocated_worker_cls({
@@ -218,6 +219,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--token-budget", type=int, default=None,
+                        help="rlcore's micro-batches by token count (actor.use_dynamic_bsz, ppo_max_token_len_per_gpu; "
+                             "the smollm2 preset: 4096) instead of --micro-batch rows")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--backends", default="vllm", help="rlcore's rollout backends to run, comma-separated: vllm,hf")
     parser.add_argument("--rollout-dtype", default=None,
