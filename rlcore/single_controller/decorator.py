@@ -19,6 +19,8 @@ forward or an update over them), the group first reorders the rows so each chunk
 same number of tokens (``attention_mask`` ones; Karmarkar-Karp, ``balance``), and the collect
 puts the results back in the caller's row order, so the caller never sees the reordering. Without
 it a rank that got the long responses sets the pace while the others wait at FSDP's collectives.
+Rows that share a ``uid`` (a prompt's samples) move as one where the groups allow it
+(``_balanced_order``): a packed forward holds their prompt once only if they share a rank.
 """
 
 from __future__ import annotations
@@ -204,12 +206,26 @@ def _split_order(ctx: CallContext, value: DataProto, world_size: int, what: str)
         ctx.scratch["order"] = None
         return None
     tokens = mask.reshape(len(value), -1).sum(-1).tolist()  # a row may hold several sequences (pairs)
-    order = np.asarray(balanced_permutation(tokens, world_size)) if ctx.balance else None
+    order = _balanced_order(value, tokens, world_size) if ctx.balance else None
     ctx.scratch["order"] = order
     before, after = chunk_loads(tokens, world_size), chunk_loads(tokens, world_size, order)
     ctx.scratch["balance"] = {"tokens_max_before": max(before), "tokens_min_before": min(before),
                               "tokens_max_after": max(after), "tokens_min_after": min(after)}
     return order
+
+
+def _balanced_order(value: DataProto, tokens: list[int], world_size: int) -> np.ndarray:
+    """Rows balanced by token count over the ranks, keeping the rows of one ``uid`` (a prompt's
+    samples) on one rank where every uid has as many rows and the uids divide evenly: a trained
+    role then packs each prompt once per rank (``model.pack_shared_prompts``). Else row by row."""
+    uids = value.non_tensor_batch.get("uid") if value.non_tensor_batch else None
+    if uids is not None:
+        _, group, sizes = np.unique(np.asarray(uids).astype(str), return_inverse=True, return_counts=True)
+        if len(sizes) % world_size == 0 and sizes.min() == sizes.max() > 1:
+            members = [np.flatnonzero(group == g) for g in range(len(sizes))]
+            weights = [sum(tokens[i] for i in rows) for rows in members]
+            return np.concatenate([members[g] for g in balanced_permutation(weights, world_size)])
+    return np.asarray(balanced_permutation(tokens, world_size))
 
 
 def _dp_proto(ctx: CallContext, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]]:

@@ -224,3 +224,22 @@ def test_a_row_of_several_sequences_weighs_all_their_tokens():
                                {"uid": np.array(list("abcd"), dtype=object)})
     assert group.tag(data).batch["rank"].tolist() == [1, 0, 1, 0]
     assert group.last_balance["tokens_max_before"] == 11 and group.last_balance["tokens_max_after"] == 7
+
+
+def test_a_prompts_samples_stay_on_one_rank(group):
+    """Rows of uids a, b, a, b, c, c, d, d (two samples each) with tokens 6, 1, 5, 1, 2, 2, 3, 3: the
+    groups weigh a 11, b 2, c 4, d 6; balanced as groups, {a, b} = 13 and {c, d} = 10, every prompt's
+    samples on one rank (so a packed forward holds each prompt once); row by row it would be 12 | 11
+    with a's samples apart."""
+    data = rows([6, 1, 5, 1, 2, 2, 3, 3])
+    data.non_tensor_batch["uid"] = np.array(list("ababccdd"), dtype=object)
+    ranks = group.tag(data).batch["rank"].tolist()
+    by_uid = {}
+    for uid, rank in zip("ababccdd", ranks):
+        by_uid.setdefault(uid, set()).add(rank)
+    assert all(len(r) == 1 for r in by_uid.values()) and by_uid["a"] == by_uid["b"] != by_uid["c"] == by_uid["d"]
+    assert group.last_balance["tokens_max_after"] == 13 and group.last_balance["tokens_min_after"] == 10
+    # groups of unequal size, or too few to divide: rows as before
+    data.non_tensor_batch["uid"] = np.array(list("aaabbbcd"), dtype=object)
+    group.tag(data)
+    assert group.last_balance["tokens_max_after"] - group.last_balance["tokens_min_after"] <= 1
