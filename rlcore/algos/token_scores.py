@@ -91,11 +91,11 @@ class _ChunkScores(torch.autograd.Function):
         part of the log-prob's added at the labels; divided by the temperature through the factors."""
         hidden, weight, bias, labels, lse, expected = ctx.saved_tensors
         temperature, top_k, top_p, chunk_tokens, filtered = ctx.settings
+        if grad_log_prob is None and grad_entropy is None:
+            return None, None, None, None, None, None, None, None
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = grad_b = None
-        if grad_log_prob is None and grad_entropy is None:
-            return None, None, None, None, None, None, None, None
         n = hidden.shape[0]
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)

@@ -222,9 +222,9 @@ def _balanced_order(value: DataProto, tokens: list[int], world_size: int) -> np.
     if uids is not None:
         _, group, sizes = np.unique(np.asarray(uids).astype(str), return_inverse=True, return_counts=True)
         if len(sizes) % world_size == 0 and sizes.min() == sizes.max() > 1:
-            members = [np.flatnonzero(group == g) for g in range(len(sizes))]
-            weights = [sum(tokens[i] for i in rows) for rows in members]
-            return np.concatenate([members[g] for g in balanced_permutation(weights, world_size)])
+            members = np.argsort(group, kind="stable").reshape(len(sizes), -1)  # row g: uid g's rows
+            weights = np.asarray(tokens)[members].sum(1).tolist()
+            return members[balanced_permutation(weights, world_size)].reshape(-1)
     return np.asarray(balanced_permutation(tokens, world_size))
 
 

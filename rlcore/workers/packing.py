@@ -157,8 +157,7 @@ def pack(input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: to
         row = int((~gapless).nonzero()[0])
         raise ValueError(f"pack: row {row}'s attention_mask has a hole between valid tokens; packing needs each "
                          "row's tokens contiguous (set model.use_remove_padding=false for such batches)")
-    holder = prompt_holders(input_ids, valid, prompt_width)
-    borrows = holder != torch.arange(len(holder), device=holder.device)
+    holder, borrows = _borrowers(input_ids, valid, prompt_width)
     stored = valid.clone()
     stored[:, :prompt_width] &= ~borrows[:, None]
     index = stored.flatten().nonzero().squeeze(1)
@@ -190,11 +189,22 @@ def prompt_holders(input_ids: torch.Tensor, valid: torch.Tensor, prompt_width: i
     return first[group]
 
 
+def _borrowers(input_ids: torch.Tensor, valid: torch.Tensor, prompt_width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``prompt_holders``, and the (B,) mask of the rows that read their prompt from another row)."""
+    holder = prompt_holders(input_ids, valid, prompt_width)
+    return holder, holder != torch.arange(len(holder), device=holder.device)
+
+
+def _prompt_width(batch) -> int:
+    """The prompt columns of a rollout-layout batch: those before the responses."""
+    return batch["input_ids"].shape[1] - batch["responses"].shape[1]
+
+
 def prompt_groups(batch) -> list[np.ndarray]:
     """The rows of a rollout-layout batch that share a prompt (``prompt_holders`` over the columns before
     the responses), each group in row order, groups in the order of their first rows."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    holder = prompt_holders(ids, mask.bool(), ids.shape[1] - batch["responses"].shape[1]).cpu().numpy()
+    holder = prompt_holders(ids, mask.bool(), _prompt_width(batch)).cpu().numpy()
     order = np.argsort(holder, kind="stable")
     _, starts = np.unique(holder[order], return_index=True)
     return np.split(order, starts[1:])
@@ -203,10 +213,8 @@ def prompt_groups(batch) -> list[np.ndarray]:
 def borrowed_prompt_tokens(batch) -> int:
     """How many of a rollout-layout micro-batch's valid tokens a shared-prompt pack does not hold: the
     prompt tokens of every row that reads its prompt from an earlier row."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    width = ids.shape[1] - batch["responses"].shape[1]
-    holder = prompt_holders(ids, mask.bool(), width)
-    borrows = holder != torch.arange(len(holder), device=holder.device)
+    mask, width = batch["attention_mask"], _prompt_width(batch)
+    _, borrows = _borrowers(batch["input_ids"], mask.bool(), width)
     return int(mask[borrows, :width].sum())
 
 
@@ -217,7 +225,7 @@ def group_items(batch, groups: list[np.ndarray], budget: int) -> tuple[list[np.n
     for the packing's error to name."""
     mask = batch["attention_mask"]
     lengths = mask.sum(1).tolist()
-    prompt = mask[:, :mask.shape[1] - batch["responses"].shape[1]].sum(1).tolist()
+    prompt = mask[:, :_prompt_width(batch)].sum(1).tolist()
     items, costs = [], []
     for group in groups:
         shared = prompt[group[0]]
@@ -312,7 +320,7 @@ def response_inputs(batch, packing: bool, share_prompts: bool = False) -> Forwar
         keep = scored_positions(ids.shape[1], t_r, ids.device)
         kwargs = {"input_ids": ids, "attention_mask": batch["attention_mask"], "position_ids": batch["position_ids"]}
         return ForwardInputs(kwargs, keep, responses, None, None)
-    packed = pack(ids, batch["attention_mask"], batch["position_ids"], ids.shape[1] - t_r if share_prompts else 0)
+    packed = pack(ids, batch["attention_mask"], batch["position_ids"], _prompt_width(batch) if share_prompts else 0)
     keep, where = packed.response_targets(t_r)
     return ForwardInputs(packed.model_kwargs(), keep, responses[where].unsqueeze(0), where, packed)
 
