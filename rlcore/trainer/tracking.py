@@ -5,26 +5,25 @@ mode so a resumed run continues the same file. A run resumed from step S should 
 `truncate_jsonl_after(path, S)`: the interrupted run may have logged steps after its last
 checkpoint, and those steps are about to be run again.
 
-tensorboard, wandb and mlflow are optional (the `tracking` extra: `pip install -e ".[tracking]"`).
-A backend listed in `trainer.loggers` whose package is missing fails the run at start with an error
-naming that extra: silently skipping it would lose the records the user asked for.
+tensorboard, wandb, mlflow and trackio are optional (the `tracking` extra: `pip install -e ".[tracking]"`),
+one module each in `rlcore.trainer.tracking_backends`. A backend listed in `trainer.loggers` whose
+package is missing fails the run at start with an error naming that extra: silently skipping it
+would lose the records the user asked for.
 
-W&B and MLflow default to local records under the run folder, so nothing needs a network, an account
-or a login: W&B runs in offline mode (unless WANDB_MODE says otherwise) in `<run>/wandb/`, synced
-later with `wandb sync`; MLflow writes a file store in `<run>/mlruns/` (unless MLFLOW_TRACKING_URI
-names another store). Every call that could wait on a service has a timeout.
+W&B, MLflow and trackio default to local records under the run folder, so nothing needs a network,
+an account or a login: W&B runs in offline mode (unless WANDB_MODE says otherwise) in `<run>/wandb/`,
+synced later with `wandb sync`; MLflow writes a file store in `<run>/mlruns/` (unless
+MLFLOW_TRACKING_URI names another store); trackio writes SQLite in `<run>/trackio/` (local only).
+Every call that could wait on a service has a timeout. Besides scalars, the backends that can show
+one take a table (`Tracker.log_table`: the completion table, `rlcore.trainer.completion_table`).
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
-import re
 import sys
-import time
-import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,17 +33,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-INSTALL_HINT = 'pip install -e ".[tracking]"'
+from rlcore.trainer.tracking_backends import INSTALL_HINT  # noqa: F401 (re-exported: the extra's install line)
+from rlcore.trainer.tracking_backends.mlflow_backend import MlflowBackend, mlflow_key  # noqa: F401 (re-exported)
+from rlcore.trainer.tracking_backends.tensorboard_backend import TensorBoardBackend
+from rlcore.trainer.tracking_backends.trackio_backend import TrackioBackend
+from rlcore.trainer.tracking_backends.wandb_backend import WandbBackend
 
-
-def _import_optional(module: str, backend: str) -> Any:
-    """`module`, or an ImportError that names the backend and the extra that installs it."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"tracking backend {backend!r} (in trainer.loggers) needs `{module}`, which failed to "
-                          f"import ({e}); install the tracking extra: {INSTALL_HINT}") from e
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow", "trackio")
+TABLE_BACKENDS = ("tensorboard", "wandb", "mlflow", "trackio")  # the ones that show a completion table
 
 
 def _scalar(key: str, value: Any) -> float | int:
@@ -70,17 +66,6 @@ def _plain_config(config: Any) -> dict[str, Any]:
         return dict(config)
     raise ValueError(f"config must be a mapping or an OmegaConf DictConfig, got "
                      f"{type(config).__name__}")
-
-
-def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            out.update(_flatten(v, f"{name}."))
-        else:
-            out[name] = v
-    return out
 
 
 class _Console:
@@ -125,157 +110,11 @@ class _Jsonl:
         self.file.close()
 
 
-class _TensorBoard:
-    def __init__(self, log_dir: Path, config: dict[str, Any]) -> None:
-        tensorboard = _import_optional("torch.utils.tensorboard", "tensorboard")  # needs the tensorboard package
-        self.writer = tensorboard.SummaryWriter(log_dir=str(log_dir))
-        if config:
-            self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str)
-                                 + "\n```")
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        for k, v in metrics.items():
-            self.writer.add_scalar(k, v, global_step=step)
-        self.writer.flush()
-
-    def close(self, failed: bool = False) -> None:
-        self.writer.close()
-
-
-# W&B's blocking calls and their limits (seconds): starting its service process, `wandb.init`, an
-# online login, and `finish` uploading the rest (offline data stays on disk for `wandb sync`).
-WANDB_TIMEOUTS_S = {"x_service_wait": 30.0, "init_timeout": 90.0, "login_timeout": 30.0, "finish_timeout": 120.0}
-
-
-class _Wandb:
-    """One W&B run per Tracker: project = trainer.project, name = trainer.run_name, config = the
-    resolved config. Offline unless WANDB_MODE is set; files under `<log_dir>/wandb/`.
-
-    W&B runs a service process (wandb-core) for the whole Python process; it is stopped
-    (`wandb.teardown`) when the last run opened here closes, so no process outlives the run.
-    """
-
-    open_runs = 0  # W&B runs opened by Trackers in this process and not closed yet
-
-    def __init__(self, project: str, experiment: str, log_dir: Path, config: dict[str, Any]) -> None:
-        self.wandb = _import_optional("wandb", "wandb")
-        mode = os.environ.get("WANDB_MODE") or "offline"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        settings = self.wandb.Settings(console="off", **WANDB_TIMEOUTS_S)  # our console line is the console log
-        try:
-            self.run = self.wandb.init(project=project, name=experiment, dir=str(log_dir), config=config,
-                                       mode=mode, reinit="create_new", settings=settings)
-        except BaseException:
-            if _Wandb.open_runs == 0:
-                self.wandb.teardown()  # the service it may have started
-            raise
-        _Wandb.open_runs += 1
-        self.run_dir = Path(self.run.dir).parent  # <log_dir>/wandb/<offline-run-...>: the run's files
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self.run.log(dict(metrics), step=step)
-
-    def close(self, failed: bool = False) -> None:
-        try:
-            self.run.finish(exit_code=1 if failed else 0)  # a crashed run shows as failed
-        finally:
-            _Wandb.open_runs -= 1
-            if _Wandb.open_runs == 0:
-                self.wandb.teardown()
-
-
-# MLflow refuses metric and param names with characters outside these (the colon it allows on POSIX
-# only, so it is replaced too), names that a path normalisation would change ("a//b", "a/./b", "/a",
-# "a/", "..x"), and names over 250 characters.
-_MLFLOW_REFUSED_CHARS = re.compile(r"[^\w./\- ]")
-MLFLOW_MAX_KEY_LENGTH = 250
-
-
-def mlflow_key(key: str) -> str:
-    """`key` as a name MLflow accepts: refused characters become `_`, empty path segments are
-    dropped, `.`/`..` segments become underscores, cut at 250 characters. Accepted names are unchanged."""
-    segments = [seg if seg.strip(".") else "_" * len(seg)
-                for seg in _MLFLOW_REFUSED_CHARS.sub("_", key).split("/") if seg]
-    name = "/".join(segments)[:MLFLOW_MAX_KEY_LENGTH].rstrip("/")
-    if name.startswith(".."):
-        name = "_" + name[1:]
-    return name or "_"
-
-
-class _KeyMap:
-    """Our keys to a backend's names, remembered; two keys that would share a name are an error."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.names: dict[str, str] = {}
-        self.owners: dict[str, str] = {}
-
-    def __call__(self, key: str) -> str:
-        name = self.names.get(key)
-        if name is None:
-            name = mlflow_key(key)
-            owner = self.owners.setdefault(name, key)
-            if owner != key:
-                raise ValueError(f"MLflow {self.what} {key!r} and {owner!r} would both be logged as {name!r} "
-                                 "(MLflow refuses some characters in names): rename one of them")
-            self.names[key] = name
-        return name
-
-
-class _Mlflow:
-    """One MLflow run per Tracker: experiment = trainer.project, run name = trainer.run_name, the
-    resolved config as params (flattened, `actor.lr`) and as the artifact `config.json`.
-
-    The store is MLFLOW_TRACKING_URI when set, else a file store in `<log_dir>/mlruns` (MLflow 3
-    keeps file stores behind MLFLOW_ALLOW_FILE_STORE, which this sets unless the user set it). A
-    client of its own, not mlflow's global active run, so two Trackers in a process do not mix.
-    Remote servers are reached with MLflow's own HTTP timeout (MLFLOW_HTTP_REQUEST_TIMEOUT, 120 s).
-    """
-
-    def __init__(self, project: str, experiment: str, log_dir: Path, config: dict[str, Any]) -> None:
-        tracking = _import_optional("mlflow.tracking", "mlflow")
-        self.entities = _import_optional("mlflow.entities", "mlflow")
-        self.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or (log_dir / "mlruns").resolve().as_uri()
-        if self.tracking_uri.startswith("file:") or "://" not in self.tracking_uri:
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = tracking.MlflowClient(tracking_uri=self.tracking_uri)
-        self.metric_name = _KeyMap("metric")
-        self.run_id = self.client.create_run(self._experiment_id(project), run_name=experiment).info.run_id
-        if config:
-            param_name = _KeyMap("param")
-            params = [self.entities.Param(param_name(k), str(v)) for k, v in _flatten(config).items()]
-            self.client.log_batch(self.run_id, params=params)
-            try:
-                self.client.log_dict(self.run_id, config, "config.json")
-            except Exception as e:  # an artifact store the client cannot reach: the params still hold the config
-                warnings.warn(f"MLflow: config.json not logged as an artifact ({e})", stacklevel=2)
-
-    def _experiment_id(self, name: str) -> str:
-        found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        try:
-            return self.client.create_experiment(name)
-        except Exception:  # created meanwhile by another run
-            found = self.client.get_experiment_by_name(name)
-            if found is None:
-                raise
-            return found.experiment_id
-
-    def log(self, metrics: Mapping[str, float], step: int) -> None:
-        ms = int(time.time() * 1000)
-        rows = [self.entities.Metric(self.metric_name(k), float(v), ms, step) for k, v in metrics.items()]
-        self.client.log_batch(self.run_id, metrics=rows)
-
-    def close(self, failed: bool = False) -> None:
-        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
-
-
 class Tracker:
     """Log a dict of scalar metrics per step to every chosen backend.
 
-    Files go under `log_dir`: `metrics.jsonl`, `tensorboard/`, `wandb/` (offline W&B runs) and
-    `mlruns/` (the MLflow file store). `project` and `experiment` name the W&B project and run, the
+    Files go under `log_dir`: `metrics.jsonl`, `tensorboard/`, `wandb/` (offline W&B runs),
+    `mlruns/` (the MLflow file store) and `trackio/` (trackio's SQLite). `project` and `experiment` name the W&B project and run, the
     MLflow experiment and run; `config` (resolved) is logged as their config / params. Each backend
     gets the step as given. `console_keys` picks the keys printed on the console line (default: all).
     `total_steps` adds a tqdm progress bar.
@@ -314,16 +153,35 @@ class Tracker:
             elif name == "jsonl":
                 self.backends[name] = _Jsonl(self.jsonl_path)
             elif name == "tensorboard":
-                self.backends[name] = _TensorBoard(self.log_dir / "tensorboard", config)
+                self.backends[name] = TensorBoardBackend(self.log_dir / "tensorboard", config)
             elif name == "wandb":
-                self.backends[name] = _Wandb(project, experiment, self.log_dir, config)
+                self.backends[name] = WandbBackend(project, experiment, self.log_dir, config)
+            elif name == "mlflow":
+                self.backends[name] = MlflowBackend(project, experiment, self.log_dir, config)
             else:
-                self.backends[name] = _Mlflow(project, experiment, self.log_dir, config)
+                self.backends[name] = TrackioBackend(project, experiment, self.log_dir, config)
+
+    @property
+    def shows_tables(self) -> bool:
+        """Whether a backend shows completion tables (else ``log_table`` is not worth a table's making)."""
+        return any(name in TABLE_BACKENDS for name in self.backends)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         values = {k: _scalar(k, v) for k, v in metrics.items()}
         for backend in self.backends.values():
             backend.log(values, step)
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        """A table (``columns``, ``rows`` of str / number / None cells) at ``step`` to every backend that
+        shows tables (TABLE_BACKENDS): a W&B / trackio Table, TensorBoard markdown text, an MLflow JSON
+        artifact. The console and metrics.jsonl leave it out (the inspector reads <run>/trajectories/)."""
+        width = len(columns)
+        for i, row in enumerate(rows):
+            if len(row) != width:
+                raise ValueError(f"table {name!r}: row {i} has {len(row)} cells for {width} columns")
+        for key, backend in self.backends.items():
+            if key in TABLE_BACKENDS:
+                backend.log_table(name, columns, rows, step)
 
     def close(self, failed: bool = False) -> None:
         """Close every backend, even when one fails (the first failure is raised after). ``failed``:
