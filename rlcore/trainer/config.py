@@ -73,6 +73,21 @@ class WatchdogConfig:
 
 
 @dataclass
+class CompletionTableConfig:
+    """A table of sampled completions (prompt, response, reward and its components, advantage, policy
+    version, data source) in the trackers that show tables (``rlcore.trainer.completion_table``)."""
+
+    every: int = 10  # log one every N steps; 0: off
+    rows: int = 16  # rows per table (whole prompt groups, evenly spread over the batch, the last one cut)
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"trainer.completion_table.every must be >= 0 (0: off), got {self.every}")
+        if self.rows < 1:
+            raise ValueError(f"trainer.completion_table.rows must be >= 1, got {self.rows}")
+
+
+@dataclass
 class TrainerConfig:
     """How and where a run executes; shared by every recipe."""
 
@@ -99,6 +114,7 @@ class TrainerConfig:
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl", "tensorboard"])
     seed: int = 1  # driver RNG (python, numpy, torch), and each prompt batch's sampling seed (from seed, batch index)
     trajectory_groups: int = 2  # prompt groups of each step written to <run>/trajectories/ for rlcore.inspect; 0: off
+    completion_table: CompletionTableConfig = field(default_factory=CompletionTableConfig)  # tables in W&B, TensorBoard, ...
     deterministic: bool = False  # torch's deterministic algorithms in driver and workers (+ cuBLAS / vLLM settings on GPU)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # stalled phases named, their stacks written
     check: CheckConfig = field(default_factory=CheckConfig)  # the consistency check (rlcore.trainer.consistency)

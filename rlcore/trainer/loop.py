@@ -9,6 +9,8 @@ It owns the run folder ``<trainer.output_dir>/<trainer.project>/<trainer.run_nam
     hf/                the policy after the last step as a HF model (config, tokenizer, safetensors)
     trajectories/      step_N.jsonl: a few prompt groups of each step's batch, token by token
                        (``trainer.trajectory_groups``; rlcore.trainer.trajectories), for ``python -m rlcore.inspect``
+    wandb/ mlruns/ trackio/   W&B (offline), MLflow and trackio records, when trainer.loggers names them; with
+                       a completion table every trainer.completion_table.every steps (rlcore.trainer.completion_table)
     config.yaml        the resolved config, model.path filled in: what ``python -m rlcore.trainer.export``
                        rebuilds a checkpoint's model from
     run.lock           held (``flock``) for the run's life; holds its pid
@@ -62,6 +64,7 @@ from rlcore.data.dataset import PromptLoader
 from rlcore.engines.seeding import derive_seed, set_deterministic
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
+from rlcore.trainer.completion_table import CompletionTable
 from rlcore.trainer.consistency import ConsistencyCheck
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
@@ -154,6 +157,9 @@ class TrainingRun:
         source = OmegaConf.select(self.cfg, "env.name") or OmegaConf.select(self.cfg, "agent.path")  # episodes' rows
         self.trajectories = TrajectoryWriter(self.dir / TRAJECTORY_DIR, t.trajectory_groups,
                                              OmegaConf.select(self.cfg, "model.path"), self.start_step, source)
+        table = t.get("completion_table") or {}
+        self.completions = CompletionTable(table.get("every", 10), table.get("rows", 16), self.tracker,
+                                           self.trajectories.token_pieces, source)
 
     # ------------------------------------------------------------------ the loop
     def steps(self) -> Iterator[int]:
@@ -199,6 +205,7 @@ class TrainingRun:
                 self.save(step)
         start = time.perf_counter()
         self.trajectories.write(step, batch)
+        self.completions.log(step, batch)  # every trainer.completion_table.every steps
         out["timing_s/trajectories"] = time.perf_counter() - start  # timed apart: no "throughput/" key for it
         with self.timer("check"):
             out.update(self.check.after_step(step, out))

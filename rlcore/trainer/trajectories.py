@@ -176,22 +176,29 @@ class TrajectoryWriter:
                 if found is not None and found > start_step:
                     path.unlink()
 
+    def token_pieces(self) -> tuple[TokenPieces, int | None]:
+        """The run's token decoder and eos id, the tokenizer loaded at the first call (shared with the
+        completion table, ``rlcore.trainer.completion_table``)."""
+        if self._pieces is None:
+            if not self.tokenizer_path:
+                raise ValueError("the trajectory sample and the completion table decode tokens with the run's tokenizer: "
+                                 "model.path is not set (set it, or trainer.trajectory_groups=0 and "
+                                 "trainer.completion_table.every=0)")
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            self._pieces, self._eos = TokenPieces(tokenizer), tokenizer.eos_token_id
+        return self._pieces, self._eos
+
     def write(self, step: int, batch: DataProto | None) -> int:
         """Write ``step``'s sample of ``batch``; the number of responses written (0 when off, or when the
         batch holds no sampled responses, e.g. a reward model's pairs)."""
         if not self.groups or batch is None or "responses" not in batch.batch.keys() or "prompts" not in batch.batch.keys():
             return 0
-        if self._pieces is None:
-            if not self.tokenizer_path:
-                raise ValueError("the trajectory sample decodes tokens with the run's tokenizer: model.path is not set "
-                                 "(set it, or trainer.trajectory_groups=0)")
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            self._pieces, self._eos = TokenPieces(tokenizer), tokenizer.eos_token_id
+        pieces, eos = self.token_pieces()
         uids = batch.non_tensor_batch.get("uid")
         if uids is None:
             uids = np.arange(len(batch))  # every row its own group
         rows = [i for group in pick_groups(list(uids), self.groups) for i in group]
-        records = trajectory_rows(batch, step, rows, self._pieces, self._eos, self.default_source)
+        records = trajectory_rows(batch, step, rows, pieces, eos, self.default_source)
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = step_file(self.folder, step).with_suffix(".tmp")
         with open(tmp, "w") as f:

@@ -201,7 +201,8 @@ def test_wandb_offline_run_holds_the_logged_steps_values_and_config(tmp_path, of
 # -------------------------------------------------------------------------------- missing packages
 @pytest.mark.parametrize("backend, modules", [("wandb", ["wandb"]),
                                               ("mlflow", ["mlflow", "mlflow.tracking", "mlflow.entities"]),
-                                              ("tensorboard", ["torch.utils.tensorboard"])])
+                                              ("tensorboard", ["torch.utils.tensorboard"]),
+                                              ("trackio", ["trackio"])])
 def test_a_missing_package_is_an_error_naming_the_extra(tmp_path, monkeypatch, backend, modules):
     for module in modules:
         monkeypatch.setitem(sys.modules, module, None)  # `import module` now raises ImportError
@@ -219,7 +220,7 @@ def test_grpo_run_logs_the_same_metrics_to_mlflow_as_to_metrics_jsonl(tmp_path, 
                  "trainer.val_freq=1", "trainer.run_name=mlflow-check", "trainer.backend=local",
                  f"model.path={model}", "data.train_batch_size=4", "data.arithmetic.n_train=16",
                  "data.arithmetic.n_val=6", "actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=2",
-                 "rollout.max_new_tokens=4"]
+                 "rollout.max_new_tokens=4", "trainer.completion_table.every=1"]
     with initialize_config_dir(config_dir=str(Path(recipes.grpo.__file__).parent / "config"), version_base=None):
         cfg = compose("grpo", overrides=overrides)
     run = recipes.grpo.train(cfg)
@@ -235,3 +236,14 @@ def test_grpo_run_logs_the_same_metrics_to_mlflow_as_to_metrics_jsonl(tmp_path, 
     params = mlflow_run.data.params
     assert params["trainer.loggers"] == "['jsonl', 'mlflow']" and params["model.path"] == model
     assert params["rollout.n"] == "2" and params["trainer.total_steps"] == "2"
+    # the completion table of each step: rows (16) exceed the batch (4 prompts x 2), so it is the whole batch and
+    # its rewards average to the step's reward/score/mean
+    for row in rows[1:]:
+        local = client.download_artifacts(mlflow_run.info.run_id, f"completions/step_{row['step']:06d}.json",
+                                          str(tmp_path / "tables"))
+        table = json.loads(Path(local).read_text())
+        assert table["columns"] == ["step", "data_source", "policy_version", "prompt", "response", "reward", "advantage"]
+        cells = [dict(zip(table["columns"], r)) for r in table["data"]]
+        assert len(cells) == 8 and {(c["step"], c["policy_version"]) for c in cells} == {(row["step"], row["step"] - 1)}
+        assert all(c["prompt"] and c["data_source"] for c in cells)
+        assert math.isclose(sum(c["reward"] for c in cells) / 8, row["reward/score/mean"], rel_tol=1e-6)
