@@ -21,14 +21,15 @@ from typing import Any
 from rlcore.trainer.tracking_backends import import_optional
 
 REMOTE_VARIABLES = ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL")  # what would send trackio's records elsewhere
-FINISH_WAIT_S = 30  # trackio's own bound on finish() waiting for its writer thread
 
 
 @contextlib.contextmanager
 def _hub_offline() -> Iterator[None]:
     """Hugging Face Hub requests refused for the block. ``trackio.init`` labels a run with the Hub user
     name, asked of huggingface.co (``whoami``) whenever an HF token exists, over a client without a
-    timeout; a local log needs neither the name nor the call, so it gets None instead."""
+    timeout; a local log needs neither the name nor the call, so it gets None instead. The switch is
+    process-wide for that moment: a run opens its trackers at start, before its producer threads and
+    requests of its own."""
     constants = import_optional("huggingface_hub.constants", "trackio")
     before = constants.HF_HUB_OFFLINE
     constants.HF_HUB_OFFLINE = True
@@ -71,8 +72,8 @@ class TrackioBackend:
         self.run.log({name: self.trackio.Table(columns=list(columns), data=[list(r) for r in rows])}, step=step)
 
     def close(self, failed: bool = False) -> None:
-        """trackio has no failed state for a run; ``finish`` writes what is queued (waiting at most
-        FINISH_WAIT_S). The run stops being trackio's current one, so its exit hook does not finish it again."""
+        """trackio has no failed state for a run; ``finish`` writes what is queued (trackio waits at most
+        30 s for its writer thread). The run stops being trackio's current one, so its exit hook does not finish it again."""
         try:
             self.run.finish()
         finally:
