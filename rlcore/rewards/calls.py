@@ -22,9 +22,10 @@ RowResult = tuple[float | None, dict[str, float]]  # (score, or None: not applic
 
 class BadRow(ValueError):
     """A returned value that is not a score, at ``position`` among the call's rows (the manager maps it
-    to the batch row). Carries its arguments in ``args`` so that it survives pickling from a fork."""
+    to the batch row; None: the return as a whole, a list of the wrong length). Carries its arguments
+    in ``args`` so that it survives pickling from a fork."""
 
-    def __init__(self, position: int, message: str) -> None:
+    def __init__(self, position: int | None, message: str) -> None:
         super().__init__(position, message)
         self.position, self.message = position, message
 
@@ -114,10 +115,10 @@ class BatchCall:
         if isinstance(returned, np.ndarray):
             returned = returned.tolist()
         if isinstance(returned, (str, bytes, Mapping)) or not isinstance(returned, Sequence):
-            raise TypeError(f"returned {type(returned).__name__}, expected a list of {len(self.rows)} scores "
-                            "(one per completion; None: not applicable)")
+            raise BadRow(None, f"returned {type(returned).__name__}, expected a list of {len(self.rows)} scores "
+                               "(one per completion; None: not applicable)")
         if len(returned) != len(self.rows):
-            raise ValueError(f"returned {len(returned)} scores for {len(self.rows)} completions")
+            raise BadRow(None, f"returned {len(returned)} scores for {len(self.rows)} completions")
         results = []
         for position, value in enumerate(returned):
             if isinstance(value, Mapping):

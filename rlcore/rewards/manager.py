@@ -288,10 +288,11 @@ class RuleRewardManager:
             if isinstance(call, BatchCall):
                 where = (f"in its call for {len(call.rows)} samples (from sample {row + offset})" if position is None
                          else f"for sample {row + offset} (completion {position} of its call)")
-            preview = texts[row][:RESPONSE_PREVIEW_CHARS]
+            whole = isinstance(call, BatchCall) and position is None  # no one response to show
+            preview = "" if whole else (f"; response (first {RESPONSE_PREVIEW_CHARS} chars): "
+                                        f"{texts[row][:RESPONSE_PREVIEW_CHARS]!r}")
             return RewardError(f"reward function {call.component.label!r} {what} {where} (data_source="
-                               f"{sources[row]!r}); response (first {RESPONSE_PREVIEW_CHARS} chars): {preview!r}"
-                               f"{detail}", row + offset, sources[row], texts[row])
+                               f"{sources[row]!r}){preview}{detail}", row + offset, sources[row], texts[row])
         return fail
 
     # ------------------------------------------------------------------ inputs
