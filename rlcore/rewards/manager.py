@@ -148,9 +148,10 @@ class RuleRewardManager:
             if key in taken or key in ("response", "ground_truth", "completion_ids"):
                 raise ValueError(f"reward extra_keys may not contain {key!r}: the manager passes it already")
             taken.add(key)
-        clashes = sorted(taken & set(self.reward_kwargs))
+        per_row = taken | {"response", "ground_truth", "prompts", "completions", *_BATCH_COLUMNS}
+        clashes = sorted(per_row & set(self.reward_kwargs))
         if clashes:
-            raise ValueError(f"reward_kwargs {clashes} clash with per-row arguments {sorted(taken)}")
+            raise ValueError(f"reward_kwargs {clashes} clash with per-row arguments {sorted(per_row)}")
         self.tokenizer = tokenizer
         self.timeout_s = float(timeout_s)
         self.num_workers = num_workers
