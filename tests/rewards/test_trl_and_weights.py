@@ -77,6 +77,9 @@ def test_chat_data_gets_messages_and_assistant_turns():
     assert fn.calls[0]["completions"] == [[{"role": "assistant", "content": t}] for t in DATA[0]]
     RuleRewardManager(TOK, fn, num_workers=0, answer_key="answer", conversational=False)(data)
     assert fn.calls[1]["prompts"] == ["p0", "p1", "p2", "p3"] and fn.calls[1]["completions"] == list(DATA[0])
+    RuleRewardManager(TOK, fn, num_workers=0, answer_key="answer", conversational=True)(batch(*DATA))
+    assert fn.calls[2]["prompts"][1] == [{"role": "user", "content": "p1"}]  # no messages column: the raw prompt
+    assert fn.calls[2]["completions"][1] == [{"role": "assistant", "content": "16"}]
 
 
 def only_a(completions, data_source, **kwargs):
