@@ -310,6 +310,8 @@ def _listed(files: Any) -> str | list[str]:
 def _dataset(cfg: DictConfig, files: Any, tokenizer: Any) -> PromptDataset:
     d = cfg.data
     extra = ("data_source",) + ((d.response_key,) if d.get("response_key") else ())
+    reward = cfg.get("reward") or {}
+    extra += tuple(k for k in reward.get("extra_keys") or () if k not in extra)  # columns the reward reads
     return PromptDataset(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key, extra_keys=extra,
                          max_prompt_length=d.max_prompt_length, apply_chat_template=d.apply_chat_template)
 

@@ -132,9 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     models = [resolve_model_path(m) for m in args.models]
     tokenizer = AutoTokenizer.from_pretrained(models[0])
     r = RewardConfig(**reward)
-    scorer = RuleRewardManager(tokenizer, r.reward_fn, reward_fn_by_source=r.reward_fn_by_source,
-                               reward_kwargs=r.reward_kwargs, timeout_s=r.timeout_s, num_workers=0,
-                               extra_keys=r.extra_keys)
+    scorer = RuleRewardManager.from_reward_config(tokenizer, r, num_workers=0,
+                                                  answer_key=data_keys.get("answer_key", "answer"))
     if args.data:
         files = args.data
     else:

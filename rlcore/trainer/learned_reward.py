@@ -68,6 +68,8 @@ class LearnedReward:
                                    "rm_scores": rm_scores, "rule_scores": rule_scores}, dict(rule.non_tensor_batch))
         out.meta_info.update(reward_metrics(scores, data.non_tensor_batch.get("data_source")))
         out.meta_info.update({k.replace("reward/", "reward/rule/", 1): v for k, v in rule.meta_info.items()})
+        # Correct is the rule's verdict (its full score): a reward model's score has no full score.
+        out.meta_info["reward/frac_correct"] = rule.meta_info["reward/frac_correct"]
         out.meta_info.update({"reward/rm/mean": rm_scores.mean().item(),
                               "reward/rm/std": rm_scores.std(unbiased=False).item()})
         return out

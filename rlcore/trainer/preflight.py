@@ -7,7 +7,7 @@ asks every such question up front, in the driver, in well under a second:
 - ``model.path`` and ``reward.model.path``: local model directories;
 - ``data.train_files`` / ``data.val_files``: each file exists and its first row parses and has the
   prompt column (and ``data_source``, and a ground truth: the answer column or verl's ``reward_model``);
-- ``reward.reward_fn`` and every ``reward.reward_fn_by_source`` value: a registered name, or a
+- ``reward.reward_fn`` (each entry of a list) and every ``reward.reward_fn_by_source`` value: a registered name, or a
   ``file.py:function`` / ``module:function`` whose file exists and defines the function; with neither,
   the first training row's ``data_source`` must have a registered function;
 - the run folder: not held by a live run, and holding no other run's records unless resumed or
@@ -122,8 +122,12 @@ def _check_columns(cfg: DictConfig, row: dict, path: str) -> None:
 
 def _check_reward(cfg: DictConfig, rows: list[dict], check: Callable) -> None:
     r = cfg.reward
-    if r.get("reward_fn") is not None:
-        check("reward.reward_fn", lambda: get_reward_fn(r.reward_fn))
+    fns = r.get("reward_fn")
+    if isinstance(fns, str):
+        check("reward.reward_fn", lambda: get_reward_fn(fns))
+    elif fns is not None:
+        for i, name in enumerate(fns):
+            check(f"reward.reward_fn[{i}]", lambda n=name: get_reward_fn(n))
     by_source = OmegaConf.to_container(r.reward_fn_by_source) if r.get("reward_fn_by_source") else {}
     for source, name in by_source.items():
         check(f"reward.reward_fn_by_source.{source}", lambda n=name: get_reward_fn(n))

@@ -16,7 +16,8 @@ def _collect_with_metrics(ctx, outputs: list[DataProto]) -> DataProto:
     """Concatenate the ranks' chunks, drop the padding, then compute metrics over the real rows only."""
     out = collect_dp_proto(ctx, outputs)
     sources = out.non_tensor_batch.pop("data_source", None)
-    out.meta_info.update(reward_metrics(out.batch["reward_scores"], sources))
+    out.meta_info.update(reward_metrics(out.batch["reward_scores"], sources, out.batch["reward_full_score"],
+                                        out.non_tensor_batch["reward_components"]))
     return out
 
 

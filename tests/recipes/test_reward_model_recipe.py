@@ -125,6 +125,8 @@ def check_scores(seen, rm_dir, tokenizer, rule_weight, rm_weight):
         assert len(set(rm.tolist())) > 1  # responses score apart: the check can fail
         assert metrics["reward/rm/mean"] == pytest.approx(rm.mean().item(), abs=1e-5)
         assert metrics["reward/rule/mean"] == pytest.approx(rule.mean().item(), abs=1e-6)
+        # correct: the rule's verdict at its full score (a reward model's score has none)
+        assert metrics["reward/frac_correct"] == pytest.approx((rule == 1.0).double().mean().item())
         assert metrics["reward/score/mean"] == pytest.approx(b["reward_scores"].mean().item(), abs=1e-5)
 
 

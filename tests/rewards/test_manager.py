@@ -226,8 +226,9 @@ def test_reward_section_defaults_and_metrics_by_hand():
     cfg = read_section({"reward": {"reward_fn": "arithmetic", "extra_keys": ["weight"]}}, "reward", RewardConfig)
     assert cfg == RewardConfig(reward_fn="arithmetic", extra_keys=["weight"])
     assert (cfg.timeout_s, cfg.num_workers, cfg.reward_fn_by_source, cfg.reward_kwargs) == (10.0, None, {}, {})
+    # frac_correct: only the 1.0 is a full score (1.0 when no full scores are given); 0.5 is partial credit
     m = reward_metrics(torch.tensor([1.0, 0.0, 0.5, -1.0]), np.array(["a", "b", "a", "b"], dtype=object))
     assert m == pytest.approx({"reward/mean": 0.125, "reward/std": math.sqrt(0.546875), "reward/min": -1.0,
-                               "reward/max": 1.0, "reward/frac_correct": 0.5, "reward/a/mean": 0.75,
+                               "reward/max": 1.0, "reward/frac_correct": 0.25, "reward/a/mean": 0.75,
                                "reward/b/mean": -0.5})
     assert list(m)[-2:] == ["reward/a/mean", "reward/b/mean"]  # sources in order of appearance

@@ -99,7 +99,8 @@ def test_a_function_matching_neither_signature_is_an_error_at_construction():
 
     with pytest.raises(TypeError, match=r"\.one_argument has signature \(text\): it cannot be called the way "
                                         r"rlcore's functions are, fn\(response, ground_truth, \*\*extra\), with .*"
-                                        r"or verl's compute_score\(data_source, solution_str"):
+                                        r"verl's compute_score\(data_source, solution_str.* or TRL's "
+                                        r"f\(prompts, completions, \*\*columns\)"):
         RuleRewardManager(TOK, one_argument)
     with pytest.raises(TypeError, match=r"verl_needs_more.*the way verl's functions are.*'threshold'"):
         RuleRewardManager(TOK, verl_needs_more)

@@ -74,3 +74,14 @@ def test_build_workers_local_colocates_the_roles_in_this_process(tmp_path, monke
     finally:
         workers.shutdown()
         torch._C.set_num_threads(threads)  # the builtin: an earlier vLLM engine may have patched the wrapper
+
+
+def test_the_reward_extra_keys_columns_reach_the_batches(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "data_source": "arithmetic", "level": i} for i in range(4)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = load_config({"trainer": {"output_dir": str(tmp_path), "backend": "local"},
+                          "data": {"train_files": str(path), "val_files": str(path), "train_batch_size": 4},
+                          "reward": {"extra_keys": ["level"]}}, (*SECTIONS, "reward"))
+    _, val = build_data(config, TOK)
+    assert sorted(val[0].non_tensor_batch["level"]) == [0, 1, 2, 3]  # what the reward function is given by name

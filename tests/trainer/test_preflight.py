@@ -146,3 +146,10 @@ def test_recipe_fails_on_a_reused_run_folder_before_any_worker(tmp_path, model_d
     with pytest.raises(RunFolderError, match="holds another run"):
         recipes.grpo.train(compose_grpo(tmp_path, f"model.path={model_dir}"))
     assert no_workers == []
+
+
+def test_each_entry_of_a_reward_list_is_checked(tmp_path, data, model_dir, reward_file):
+    good = f"{reward_file}:compute_score"
+    preflight(cfg(tmp_path, data, model_dir, reward={"reward_fn": [good, "gsm8k"], "weights": [1.0, 0.5]}))
+    with pytest.raises(ValueError, match=r"reward.reward_fn\[1\]: unknown reward function 'gsm8'"):
+        preflight(cfg(tmp_path, data, model_dir, reward={"reward_fn": [good, "gsm8"]}))

@@ -51,8 +51,12 @@ def test_worker_groups_match_the_manager(tmp_path, tiny_model_dir, ray_cluster):
         assert len(out) == 5
         assert torch.equal(out.batch["token_level_scores"], expected.batch["token_level_scores"])
         assert torch.equal(out.batch["reward_scores"], expected.batch["reward_scores"])
-        assert list(out.non_tensor_batch) == ["response_text"]
+        assert list(out.non_tensor_batch) == ["response_text", "reward_components"]
+        assert list(out.non_tensor_batch["reward_components"]) == [{"arithmetic": 1.0}, {"arithmetic": 0.0},
+                                                                   {"length_reward": 0.3}, {"length_reward": 0.0},
+                                                                   {"arithmetic": 1.0}]
         assert list(out.non_tensor_batch["response_text"]) == ["15", "16", "abc", "", "7"]
         assert out.meta_info == pytest.approx(expected.meta_info)
     assert expected.meta_info["reward/lengthy/mean"] == pytest.approx(0.15)
+    assert expected.meta_info["reward/frac_correct"] == pytest.approx(2 / 5)  # 0.3 is partial credit, not correct
     assert data.union(remote).batch["token_level_scores"] is not None  # ready to merge into the batch
