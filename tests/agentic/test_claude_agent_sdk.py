@@ -6,6 +6,7 @@ answers, and the episode is one token-exact segment with the tool's result maske
 
 import asyncio
 import dataclasses
+import math
 import subprocess
 import types
 from pathlib import Path
@@ -121,5 +122,32 @@ def test_the_tool_ran_in_the_agent_and_a_run_out_of_turns_is_reward_0(cli_model_
     assert reward == 1.0 and agent.tool_calls == [{"expression": "2+3"}] and agent.result.result == "5"
     assert agent.result.num_turns == 2 and not agent.result.is_error
     # one turn allowed: the model's call is run, then the CLI stops before the answer (no answer: 0)
-    assert out_of_turns == 0.0 and short.tool_calls == [{"expression": "2+3"}] and short.result.subtype == "error_max_turns"
+    assert out_of_turns == 0.0 and short.tool_calls == [{"expression": "2+3"}]
+    assert short.result.subtype == "error_max_turns"
     assert [len(s.segments) for s in sessions] == [1, 1]
+
+
+@pytest.mark.slow
+def test_chat_agent_grpo_trains_the_policy_behind_the_cli(cli_model_dir, tmp_path, ray_cluster):
+    """One GRPO step of recipes/chat_agent_grpo on the example's episodes, the CLI run by the runner actor:
+    the model taught to use the tool earns reward 1 through the CLI and its MCP tool (sampled, not greedy:
+    an episode may stray), and the step trains on the episodes' segments."""
+    from hydra import compose, initialize_config_dir
+
+    import recipes.chat_agent_grpo as recipe
+    from rlcore.data.arithmetic import write_jsonl
+    from rlcore.trainer.tracking import read_jsonl_metrics
+
+    data = write_jsonl(tmp_path / "tasks.jsonl", [{"prompt": "2+3=", "answer": "5", "data_source": "arithmetic"}] * 2)
+    overrides = [f"trainer.output_dir={tmp_path}", "trainer.loggers=[jsonl]", "trainer.total_steps=1",
+                 "trainer.val_freq=1", "trainer.backend=local", f"model.path={cli_model_dir}",
+                 f"data.train_files={data}", f"data.val_files={data}", "data.train_batch_size=2", "rollout.n=2",
+                 "rollout.max_new_tokens=120", "actor.ppo_micro_batch_size_per_gpu=8", "agentic.cpus_per_engine=1",
+                 "agentic.bucket_mb=0.1", f"agent.path={AGENT}", "agent.max_total_tokens=400"]
+    with initialize_config_dir(config_dir=str(Path(recipe.__file__).parent / "config"), version_base=None):
+        run = recipe.train(compose("chat_agent_grpo", overrides=overrides))
+    rows = read_jsonl_metrics(run.dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    step = rows[1]
+    assert step["reward/score/max"] == 1.0 and step["episode/segments_mean"] == 1.0
+    assert step["episode/requests_mean"] >= 1.0 and math.isfinite(step["actor/pg_loss"])
