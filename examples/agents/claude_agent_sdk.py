@@ -24,6 +24,7 @@ model output.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import tempfile
@@ -74,10 +75,11 @@ class ClaudeSDKAgent:
             mcp_servers={SERVER: create_sdk_mcp_server(SERVER, tools=[calc_tool])},
             tools=[], allowed_tools=[TOOL], setting_sources=[], thinking={"type": "disabled"},
             extra_args={"bare": None})
-        try:
-            async for message in query(prompt=ctx.prompt, options=options):
-                if isinstance(message, ResultMessage):
-                    self.result = message
+        try:  # aclosing: an episode cancelled (its timeout) closes the SDK's stream, which ends the CLI
+            async with contextlib.aclosing(query(prompt=ctx.prompt, options=options)) as messages:
+                async for message in messages:
+                    if isinstance(message, ResultMessage):
+                        self.result = message
         except ResultError as exc:  # the CLI reported a failed run, then exited non-zero
             if exc.subtype == "error_max_turns" or "prompt is too long" in (exc.result or "").lower():
                 return 0.0  # out of turns, or no room left in the session's context: no answer

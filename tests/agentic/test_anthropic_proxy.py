@@ -253,7 +253,8 @@ CLI_REQUEST = {
     "tools": [{"name": "DeferredToolPlaceholder", "description": "never call this tool.",
                "input_schema": {"type": "object", "properties": {}}, "defer_loading": True},
               {"name": "mcp__arith__calc", "description": "a+b", "input_schema": CALC["function"]["parameters"]}],
-    "messages": [{"role": "user", "content": [{"type": "text", "text": "2+3=", "cache_control": {"type": "ephemeral"}}]},
+    "messages": [{"role": "user",
+                  "content": [{"type": "text", "text": "2+3=", "cache_control": {"type": "ephemeral"}}]},
                  {"role": "system", "content": [{"type": "text", "text": "# environment: linux",
                                                  "cache_control": {"type": "ephemeral"}}]}],
     "metadata": {"user_id": "{\"device_id\":\"96\",\"account_uuid\":\"\",\"session_id\":\"e2\"}"},
@@ -293,6 +294,7 @@ def test_the_claude_code_clis_request_is_served_as_it_comes(model_dir, tok):
     status, events, bad, counted, calls = asyncio.run(scenario())
     assert status == 200 and events[0] == "event: message_start" and events[-1] == "event: message_stop"
     assert calls[0][1] == expected and counted["input_tokens"] == len(expected)
-    assert "DeferredToolPlaceholder" not in tok.decode(expected) and "mcp__arith__calc(expression)" in tok.decode(expected)
+    rendered = tok.decode(expected)
+    assert "DeferredToolPlaceholder" not in rendered and "mcp__arith__calc(expression)" in rendered
     for field, r in bad.items():
         assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.json())
