@@ -3,11 +3,14 @@ pointed at the session's Anthropic endpoint, with one tool, ``calc``, served to 
 in-process SDK server. Nothing in it knows about training.
 
 ``python -m recipes.chat_agent_grpo agent.path=examples/agents/claude_agent_sdk.py:ClaudeSDKAgent
-agent.max_total_tokens=256`` trains the policy behind ``ctx.session_url`` on its episodes: the CLI asks
-the model (``POST /v1/messages?beta=true``, streamed), runs the ``calc`` calls the model makes and
-sends their results back, until the model answers without a call; the reward is 1.0 when that answer
-is the label, else 0.0. The CLI's prompt is larger than a bare question (its tool list and a line of
-system prompt, ~130 characters), hence a ``max_total_tokens`` above the recipe's default 128.
+agent.max_total_tokens=400 rollout.max_new_tokens=120`` trains the policy behind ``ctx.session_url`` on
+its episodes: the CLI asks the model (``POST /v1/messages?beta=true``, streamed), runs the ``calc``
+calls the model makes and sends their results back, until the model answers without a call; the
+reward is 1.0 when that answer is the label, else 0.0. The sizes are the tiny character-level models':
+the CLI's prompt is ~130 tokens before the question (its tool list and a line of system prompt), a
+call ``<tool_call>{"name": "mcp__arith__calc", ...}</tool_call>`` 82, so the recipe's defaults (128
+tokens a session, 8 a reply) leave no room for one. (The default warm start never calls tools: the
+tests teach a tiny model to.)
 
 Each episode runs the CLI with only what the session gives it (docs/agentic.md, "Claude Agent SDK"):
 the endpoint and the session's key (``ANTHROPIC_API_KEY``, and ``ANTHROPIC_AUTH_TOKEN`` too, so that a
