@@ -56,7 +56,8 @@ def cli_env(ctx, home: str) -> dict[str, str]:
         "DISABLE_ERROR_REPORTING": "1",
         "CLAUDE_CODE_ATTRIBUTION_HEADER": "0",  # else a billing line with the CLI's version opens the system prompt
         "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(ctx.sampling["max_tokens"]),
-        "CLAUDE_CODE_USE_BEDROCK": "0", "CLAUDE_CODE_USE_VERTEX": "0",  # the machine's choice of provider, off
+        "CLAUDE_CODE_USE_BEDROCK": "0", "CLAUDE_CODE_USE_VERTEX": "0", "CLAUDE_CODE_USE_FOUNDRY": "0",  # the
+        # machine's choice of provider, off
     }
 
 

@@ -110,7 +110,13 @@ def test_the_cli_runs_the_mcp_tool_the_model_calls_in_a_token_exact_episode(cli_
     assert tok.decode([t for t, m in zip(segment.token_ids, segment.policy_mask) if not m]) == "\ntool: 5\nassistant: "
 
 
-def test_the_tool_ran_in_the_agent_and_a_run_out_of_turns_is_reward_0(cli_model_dir):
+def test_the_tool_ran_in_the_agent_and_a_run_out_of_turns_is_reward_0(cli_model_dir, monkeypatch):
+    # the machine's own Anthropic settings reach no request: a token sent as Bearer would be a 401 (the
+    # proxy reads that header first), another provider would not reach the proxy at all
+    for name, value in [("ANTHROPIC_AUTH_TOKEN", "the-users-token"), ("CLAUDE_CODE_USE_BEDROCK", "1"),
+                        ("ANTHROPIC_MODEL", "claude-x"), ("ANTHROPIC_BASE_URL", "http://127.0.0.1:9")]:
+        monkeypatch.setenv(name, value)
+
     async def scenario():
         async with serving(cli_model_dir, LONG) as (proxy, rec, _):
             agent, short = load_agent(AGENT)(), load_agent(AGENT)(max_turns=1)
