@@ -8,10 +8,14 @@ OpenAI-shaped request (``openai_wire.ChatRequest``), so both wires share one ses
 rendering and one generation path (``chat_turn``), and give the same ids for the same conversation:
 
     system (a string or text blocks)       -> a leading system message
+    a system message among messages        -> a system message there (the Claude Code CLI sends its
+                                              environment context so)
     user text blocks                        -> a user message (the blocks' text joined)
     user tool_result blocks                 -> tool messages (tool_call_id = tool_use_id), before the text
     assistant text + tool_use blocks        -> an assistant message with tool_calls (input as arguments)
-    tools [{name, description, input_schema}] -> function tools (input_schema as parameters)
+    tools [{name, description, input_schema}] -> function tools (input_schema as parameters); a tool with
+                                              ``defer_loading`` is left out (Anthropic's API keeps it out
+                                              of the model's context until a tool search loads it)
     tool_choice auto / any / tool / none    -> auto / required / that function / none
     stop_sequences, max_tokens, stream      -> stop, max_tokens, stream
     temperature, top_p, top_k               -> honoured only with ``client_sampling`` (as OpenAI's)
@@ -24,11 +28,17 @@ input and output tokens. Streaming sends Anthropic's events: ``message_start``,
 call's whole input) / ``content_block_stop``, ``message_delta`` (stop reason, output tokens),
 ``message_stop``; an error mid-stream is an ``error`` event.
 
+Accepted and ignored, as the clients send them: ``cache_control``, ``metadata``, ``output_config.effort``
+(a hint), ``context_management`` edits that clear thinking (there is none), ``thinking`` ``adaptive`` (the
+model decides whether to think; the policy never writes Anthropic thinking blocks, so it does not).
+
 Refused with a 400 naming the field, rather than silently dropped: images and documents (the
 engines take text), ``thinking`` blocks and an enabled ``thinking`` (the model does not think in
-Anthropic's format), server tools (``web_search``, ``bash``, ...: nothing here runs them), a last
-assistant message (prefill: the reply would have to continue text the session did not sample),
-and ``disable_parallel_tool_use`` (every call the model writes is returned). Errors use Anthropic's
+Anthropic's format), other ``context_management`` edits (clearing tool results would change what the
+policy sees, and nothing here does it), ``output_config`` other than ``effort`` (structured output:
+the engines have no constrained decoding), server tools (``web_search``, ``bash``, ...: nothing here
+runs them), a last assistant message (prefill: the reply would have to continue text the session did
+not sample), and ``disable_parallel_tool_use`` (every call the model writes is returned). Errors use Anthropic's
 body, ``{"type": "error", "error": {"type", "message"}}``.
 """
 
@@ -64,6 +74,8 @@ class MessagesRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    context_management: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -83,9 +95,11 @@ def parse_messages_request(body: Any) -> ChatRequest:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise RequestError(f"{where}: {first['msg']}", param=where or None) from None
-    if (req.thinking or {}).get("type", "disabled") != "disabled":
+    if (req.thinking or {}).get("type", "disabled") not in ("disabled", "adaptive"):
         raise RequestError("thinking is not supported: the policy does not write Anthropic thinking blocks; "
-                           "leave thinking out or set it to {\"type\": \"disabled\"}", param="thinking")
+                           "leave thinking out or set it to {\"type\": \"disabled\"} (or \"adaptive\")",
+                           param="thinking")
+    _check_ignorable(req)
     stops = req.stop_sequences or []
     if len(stops) > MAX_STOP_SEQUENCES or not all(stops):
         raise RequestError(f"stop_sequences must be up to {MAX_STOP_SEQUENCES} non-empty strings",
@@ -94,11 +108,27 @@ def parse_messages_request(body: Any) -> ChatRequest:
         "model": req.model, "messages": _messages(req.system, req.messages), "max_tokens": req.max_tokens,
         "stop": stops or None, "stream": req.stream, "temperature": req.temperature, "top_p": req.top_p,
         "top_k": req.top_k}
-    if req.tools:
-        canonical["tools"] = [_tool(t, i) for i, t in enumerate(req.tools)]
+    tools = [_tool(t, i) for i, t in enumerate(req.tools or []) if not (isinstance(t, dict) and t.get("defer_loading"))]
+    if tools:
+        canonical["tools"] = tools
     if req.tool_choice is not None:
         canonical["tool_choice"] = _tool_choice(req.tool_choice)
     return ChatRequest.model_validate(canonical)
+
+
+def _check_ignorable(req: MessagesRequest) -> None:
+    """The extras that are ignored only where ignoring them changes nothing the policy sees or writes."""
+    edits = (req.context_management or {}).get("edits") or []
+    for i, edit in enumerate(edits if isinstance(edits, list) else [edits]):
+        kind = edit.get("type") if isinstance(edit, dict) else None
+        if not (isinstance(kind, str) and kind.startswith("clear_thinking")):
+            raise RequestError(f"context_management.edits[{i}]: {kind!r} is not supported: only clearing thinking "
+                               "(there is none here) is; the session keeps the whole conversation",
+                               param=f"context_management.edits[{i}]")
+    other = sorted(set(req.output_config or {}) - {"effort"})
+    if other:
+        raise RequestError(f"output_config: {other} not supported (only effort, which is ignored): the engines "
+                           "have no constrained decoding", param="output_config")
 
 
 def _text(content: Any, where: str) -> str:
@@ -121,9 +151,13 @@ def _messages(system: Any, messages: list[Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"role": "system", "content": _text(system, "system")}] if system else []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        if not isinstance(m, dict) or m.get("role") not in ("user", "assistant", "system"):
             role = m.get("role") if isinstance(m, dict) else None
-            raise RequestError(f"{where}.role must be 'user' or 'assistant', got {role!r}", param=f"{where}.role")
+            raise RequestError(f"{where}.role must be 'user', 'assistant' or 'system', got {role!r}",
+                               param=f"{where}.role")
+        if m["role"] == "system":
+            out.append({"role": "system", "content": _text(m.get("content", ""), f"{where}.content")})
+            continue
         content = m.get("content")
         blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
         if not isinstance(blocks, list):

@@ -191,7 +191,7 @@ def test_keys_and_bad_requests_get_anthropics_errors(model_dir):
             bad = {
                 "image": [{"role": "user", "content": [{"type": "image", "source": {"type": "base64"}}]}],
                 "prefill": messages + [{"role": "assistant", "content": "The answer is"}],
-                "bad role": [{"role": "system", "content": "x"}],
+                "bad role": [{"role": "tool", "content": "x"}],
             }
             for name, msgs in bad.items():
                 with pytest.raises(anthropic.BadRequestError) as e:
@@ -241,3 +241,60 @@ def test_null_fields_are_not_given_on_the_anthropic_wire_too(model_dir):
     status, body = asyncio.run(scenario())
     assert status == 200, body
     assert json.dumps(body["content"]) and body["stop_reason"] in ("end_turn", "max_tokens")
+
+
+# The first request of the Claude Code CLI 2.1.327 (claude-agent-sdk 0.2.184) with its defaults, as a logging
+# loopback server received it (docs/agentic.md "Claude Agent SDK"), abridged: the environment context's text
+# and the metadata's ids shortened.
+CLI_REQUEST = {
+    "model": "policy", "max_tokens": 32000, "stream": True,
+    "system": [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.327.502; cc_entrypoint=sdk-py;"},
+               {"type": "text", "text": "you are an agent.", "cache_control": {"type": "ephemeral"}}],
+    "tools": [{"name": "DeferredToolPlaceholder", "description": "never call this tool.",
+               "input_schema": {"type": "object", "properties": {}}, "defer_loading": True},
+              {"name": "mcp__arith__calc", "description": "a+b", "input_schema": CALC["function"]["parameters"]}],
+    "messages": [{"role": "user",
+                  "content": [{"type": "text", "text": "2+3=", "cache_control": {"type": "ephemeral"}}]},
+                 {"role": "system", "content": [{"type": "text", "text": "# environment: linux",
+                                                 "cache_control": {"type": "ephemeral"}}]}],
+    "metadata": {"user_id": "{\"device_id\":\"96\",\"account_uuid\":\"\",\"session_id\":\"e2\"}"},
+    "thinking": {"type": "adaptive", "display": "updates"},
+    "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+    "output_config": {"effort": "high"},
+}
+
+
+def test_the_claude_code_clis_request_is_served_as_it_comes(model_dir, tok):
+    """What the CLI sends with its defaults: ``?beta=true``, adaptive thinking, a system message among the
+    messages (rendered where it stands), a deferred tool (left out of the prompt, as Anthropic's API keeps it
+    out of the model's context), cache_control / metadata / effort / clearing thinking (ignored: nothing the
+    policy sees); what would change what the policy sees or writes is still a 400 naming the field."""
+    calc = {"type": "function", "function": {"name": "mcp__arith__calc", "description": "a+b",
+                                             "parameters": CALC["function"]["parameters"]}}
+    expected = render(tok, [{"role": "system", "content": CLI_REQUEST["system"][0]["text"] + "you are an agent."},
+                            {"role": "user", "content": "2+3="}, {"role": "system", "content": "# environment: linux"}],
+                      tools=[calc])
+    refused = {"thinking": {"type": "enabled", "budget_tokens": 1024},
+               "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]},
+               "output_config": {"effort": "high", "format": {"type": "json_schema", "schema": {}}}}
+
+    async def scenario():
+        async with serving(model_dir, GREEDY) as (proxy, rec, _):
+            access = proxy.open_session("s", 400)
+            async with httpx.AsyncClient(headers={"x-api-key": access.api_key}, timeout=30) as h:
+                url = f"{access.session_url}/v1/messages?beta=true"
+                async with h.stream("POST", url, json=CLI_REQUEST) as r:
+                    events = [line async for line in r.aiter_lines() if line.startswith("event: ")]
+                    status = r.status_code
+                bad = {k: await h.post(url, json={**CLI_REQUEST, "stream": False, k: v}) for k, v in refused.items()}
+                counted = await h.post(f"{access.session_url}/v1/messages/count_tokens?beta=true",
+                                       json={k: v for k, v in CLI_REQUEST.items() if k not in ("max_tokens", "stream")})
+            return status, events, bad, counted.json(), rec.calls
+
+    status, events, bad, counted, calls = asyncio.run(scenario())
+    assert status == 200 and events[0] == "event: message_start" and events[-1] == "event: message_stop"
+    assert calls[0][1] == expected and counted["input_tokens"] == len(expected)
+    rendered = tok.decode(expected)
+    assert "DeferredToolPlaceholder" not in rendered and "mcp__arith__calc(expression)" in rendered
+    for field, r in bad.items():
+        assert r.status_code == 400 and field in r.json()["error"]["message"], (field, r.json())
