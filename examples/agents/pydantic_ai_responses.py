@@ -33,6 +33,6 @@ def calc(expression: str) -> str:
 
 class PydanticAICalculator:
     async def run(self, ctx) -> float:
-        model = OpenAIResponsesModel(ctx.model_name, provider=OpenAIProvider(base_url=ctx.base_url, api_key=ctx.api_key))
-        result = await agent.run(ctx.prompt, model=model)
+        provider = OpenAIProvider(base_url=ctx.base_url, api_key=ctx.api_key)
+        result = await agent.run(ctx.prompt, model=OpenAIResponsesModel(ctx.model_name, provider=provider))
         return float(result.output.strip() == str(ctx.label).strip())

@@ -63,8 +63,8 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.routing import APIRoute
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from rlcore.agentic.anthropic_wire import (
@@ -196,7 +196,8 @@ class ChatProxy:
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
             if exc.status_code in (404, 405):  # no route for this method and path: say which there are
-                served = ", ".join(f"{m} {r.path}" for r in app.routes if isinstance(r, APIRoute) for m in sorted(r.methods))
+                served = ", ".join(f"{m} {r.path}" for r in app.routes if isinstance(r, APIRoute)
+                                   for m in sorted(r.methods))
                 return self._error(request, 404, f"no route {request.method} {request.url.path}; served: {served}",
                                    code="route_not_found")
             return self._error(request, exc.status_code, str(exc.detail), code=str(exc.status_code))

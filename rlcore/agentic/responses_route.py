@@ -88,8 +88,9 @@ class ResponsesRoute:
                                    "send the whole input instead", code="previous_response_not_found",
                                    param="previous_response_id")
             return kept
-        whose = "another session's response: a session continues only its own" if any(
-            rid in s.responses for s in self.sessions.values() if s is not session) else "not a response of this session"
+        elsewhere = any(rid in s.responses for s in self.sessions.values() if s is not session)
+        whose = ("another session's response: a session continues only its own" if elsewhere
+                 else "not a response of this session")
         raise RequestError(f"previous_response_id {rid!r} is {whose}", code="previous_response_not_found",
                            param="previous_response_id")
 

@@ -52,9 +52,11 @@ def test_a_greedy_response_is_the_chat_routes_reply_with_real_usage(model_dir, t
             chat = await client(proxy.open_session("chat", 200)).chat.completions.create(
                 model="policy", messages=[{"role": "system", "content": system}] + messages)
             short = await c.responses.create(model="policy", input="12+3=", instructions=system, max_output_tokens=3)
-            return reply, parts, chat, short, rec.calls
+            scored = await c.responses.create(model="policy", input="12+3=", instructions=system,
+                                              include=["message.output_text.logprobs"], top_logprobs=2)
+            return reply, parts, chat, short, scored, rec.calls
 
-    reply, parts, chat, short, calls = asyncio.run(scenario())
+    reply, parts, chat, short, scored, calls = asyncio.run(scenario())
     assert [c[1] for c in calls[:3]] == [prompt] * 3 and calls[0][2].token_ids == expected
     text = tok.decode(expected, skip_special_tokens=True)
     assert reply.output_text == parts.output_text == chat.choices[0].message.content == text
@@ -67,6 +69,10 @@ def test_a_greedy_response_is_the_chat_routes_reply_with_real_usage(model_dir, t
     assert (short.status, short.incomplete_details.reason, short.usage.output_tokens) == ("incomplete",
                                                                                            "max_output_tokens", 3)
     assert short.output_text == tok.decode(expected[:3], skip_special_tokens=True)
+    entries = scored.output[0].content[0].logprobs  # the engine's own log-probs, token by token
+    assert [e.logprob for e in entries] == pytest.approx(calls[4][2].log_probs) and len(entries) == len(expected)
+    assert [e.token for e in entries] == [tok.decode([t]) for t in expected]
+    assert all(len(e.top_logprobs) == 2 for e in entries)
 
 
 def test_streamed_deltas_add_up_to_the_response_in_the_responses_event_order(model_dir):
@@ -89,7 +95,8 @@ def test_streamed_deltas_add_up_to_the_response_in_the_responses_event_order(mod
     assert len(deltas) == len(kinds) - 8 > 10 and "".join(deltas) == whole.output_text
     assert events[-4].text == whole.output_text and [e.sequence_number for e in events] == list(range(len(events)))
     final = events[-1].response
-    assert final.output_text == whole.output_text and final.usage.output_tokens == 30 and final.id == events[0].response.id
+    assert final.output_text == whole.output_text and final.usage.output_tokens == 30
+    assert final.id == events[0].response.id
     assert streamed[0] == calls[0][2].token_ids == calls[1][2].token_ids  # greedy: the same ids, streamed
 
 
@@ -100,9 +107,9 @@ def test_the_ids_trained_on_are_the_ids_sampled_across_previous_response_id(mode
             first = await c.responses.create(model="p", input="12+30=", instructions="be brief")
             second = await c.responses.create(model="p", input="no, try 0", previous_response_id=first.id,
                                               instructions="be brief")
-            resent = [{"role": "user", "content": "12+30="}] + [o.model_dump(exclude_none=True) for o in first.output] + [
-                {"role": "user", "content": "no, try 0"}] + [o.model_dump(exclude_none=True) for o in second.output] + [
-                {"role": "user", "content": "no, try 1"}]  # the whole history resent, as stateless agents do
+            items = lambda r: [o.model_dump(exclude_none=True) for o in r.output]  # noqa: E731
+            resent = [{"role": "user", "content": "12+30="}, *items(first), {"role": "user", "content": "no, try 0"},
+                      *items(second), {"role": "user", "content": "no, try 1"}]  # all of it again
             third = await c.responses.create(model="p", input=resent, instructions="be brief")
             fourth = await c.responses.create(model="p", input="no, try 2", previous_response_id=third.id,
                                               instructions="be brief")
@@ -189,8 +196,10 @@ def test_bad_inputs_and_unknown_routes_get_clear_4xx_bodies(model_dir):
                 "hosted tool": {"input": "1+1=", "tools": [TOOL, {"type": "web_search"}]},
                 "image": {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
                 "bad role": {"input": [{"role": "wizard", "content": "x"}]},
-                "json schema": {"input": "1+1=", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}},
+                "json schema": {"input": "1+1=", "text": {"format": {"type": "json_schema", "name": "x",
+                                                                     "schema": {}}}},
                 "empty": {"input": []},
+                "parallel false": {"input": "1+1=", "tools": [TOOL], "parallel_tool_calls": False},
             }
             errors = {}
             for name, body in bad.items():
@@ -217,7 +226,7 @@ def test_bad_inputs_and_unknown_routes_get_clear_4xx_bodies(model_dir):
     assert "tools[1]" in message["hosted tool"] and "'web_search'" in message["hosted tool"]
     assert "input[0].content[0]" in message["image"] and "'input_image'" in message["image"]
     assert "wizard" in message["bad role"] and "json_schema" in message["json schema"]
-    assert "input" in message["empty"]
+    assert "input" in message["empty"] and errors["parallel false"].param == "parallel_tool_calls"
     for (method, path), r in routes.items():
         body = r.json()
         text = body["error"]["message"]
@@ -239,12 +248,18 @@ def test_the_responses_framework_agents_run_the_tool_the_model_calls(tool_model_
         runner = ChatAgentRunner(spec, [engine])
         recording = Recording(runner.router)  # what the engine sampled, written down
         runner.proxy.generator = runner.proxy.turns.generator = recording
+        bodies, serve = [], runner.proxy.responses.serve
+        runner.proxy.responses.serve = lambda session, body: bodies.append(body) or serve(session, body)
         try:
-            return await runner.play({"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}, "s"), recording
+            played = await runner.play({"messages": [{"role": "user", "content": "2+3="}], "answer": "5"}, "s")
+            return played, recording, bodies
         finally:
             await runner.close()
 
-    [segment], recording = asyncio.run(scenario())
+    [segment], recording, bodies = asyncio.run(scenario())
+    # both requests came on the Responses route, the second with the tool's output as an item
+    assert len(bodies) == 2
+    assert {"type": "function_call_output", "output": "5"}.items() <= bodies[1]["input"][-1].items()
     assert segment.reward == 1.0 and segment.turns == 2  # the call, then the answer
     assert (segment.metrics["chat/segments"], segment.metrics["chat/tries"]) == (1.0, 1.0)
     tok = AutoTokenizer.from_pretrained(tool_model_dir)
