@@ -18,6 +18,7 @@ as the chat route for the same conversation:
     tools [{"type": "function", name, parameters}] -> function tools
     tool_choice auto / none / required / {"type": "function", "name"} -> the same
     max_output_tokens, temperature, top_p, stream -> max_tokens, temperature, top_p, stream
+    include ["message.output_text.logprobs"], top_logprobs -> logprobs, top_logprobs
 
 ``previous_response_id`` continues a response of the same session: the session keeps each
 response's conversation (its input, after the previous one's, then its output), and the request's
@@ -31,7 +32,10 @@ the three above (``reasoning``, ``item_reference``, hosted tools' calls: the pol
 non-text content (images, files, audio), a ``function_call`` whose output is missing and an output
 whose call is missing (both named by ``call_id``), hosted tools (``web_search``, ``file_search``,
 ...: nothing here runs them), ``text.format`` other than text (no constrained decoding), ``background``,
-``conversation`` and ``prompt`` (not served), and an unknown ``previous_response_id``.
+``conversation`` and ``prompt`` (not served), ``parallel_tool_calls: false`` (as on the chat route:
+every call the model writes is returned), and an unknown ``previous_response_id``. ``store``,
+``truncation``, ``reasoning`` (the policy writes no reasoning items), ``metadata`` and other fields
+are accepted.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
 from rlcore.engines.async_hf import AsyncHFEngine
 from rlcore.engines.base import RolloutConfig
 from rlcore.models.config import ModelConfig
+from rlcore.registry import load_named
 
 TOOL = {"type": "function", "name": "calc", "description": "a+b", "parameters": CALC["function"]["parameters"]}
 LONG = dataclasses.replace(GREEDY, max_new_tokens=80)
@@ -268,3 +269,49 @@ def test_the_responses_framework_agents_run_the_tool_the_model_calls(tool_model_
     calls = recording.calls
     assert len(calls) == 2 and own(segment) == calls[0][2].token_ids + calls[1][2].token_ids  # ids trained = sampled
     assert segment.prompt_ids == calls[0][1] == render(tok, [{"role": "user", "content": "2+3="}], tools=[CALC])
+
+
+def test_the_frameworks_streamed_and_chained_paths_round_trip_the_tool_too(tool_model_dir):
+    """The same frameworks on their other paths: the Agents SDK streamed (``Runner.run_streamed``) and
+    chained by ``previous_response_id`` (``auto_previous_response_id=True``), pydantic-ai streamed
+    (``run_stream``); each answers 5 after the tool call, in one segment of one try."""
+    from agents import Agent, OpenAIResponsesModel, Runner
+    from pydantic_ai.models.openai import OpenAIResponsesModel as PydanticResponsesModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    calc = load_named(f"{EXAMPLES / 'openai_agents_sdk.py'}:calc", "tool")
+    pydantic_agent = load_named(f"{EXAMPLES / 'pydantic_ai_responses.py'}:agent", "agent")
+
+    async def scenario():
+        async with serving(tool_model_dir, LONG) as (proxy, _, _e):
+            bodies, serve = [], proxy.responses.serve
+            proxy.responses.serve = lambda session, body: bodies.append(body) or serve(session, body)
+
+            def sdk_agent(access):
+                model = OpenAIResponsesModel(model="policy", openai_client=client(access))
+                return Agent(name="calculator", tools=[calc], model=model)
+
+            access = proxy.open_session("streamed", 400)
+            run = Runner.run_streamed(sdk_agent(access), "2+3=")
+            kinds = {e.type async for e in run.stream_events()}
+            before = len(bodies)
+            chained = await Runner.run(sdk_agent(proxy.open_session("chained", 400)), "2+3=",
+                                       auto_previous_response_id=True)
+            chained_bodies = bodies[before:]
+            access = proxy.open_session("pydantic", 400)
+            model = PydanticResponsesModel("policy", provider=OpenAIProvider(base_url=access.base_url,
+                                                                             api_key=access.api_key))
+            async with pydantic_agent.run_stream("2+3=", model=model) as result:
+                output = await result.get_output()
+            sessions = {name: proxy.close_session(name) for name in ("streamed", "chained", "pydantic")}
+            return (run.final_output, chained.final_output, output), kinds, sessions, chained_bodies
+
+    outputs, kinds, sessions, chained = asyncio.run(scenario())
+    assert outputs == ("5", "5", "5") and "raw_response_event" in kinds
+    # the second request continued the first by its id, sending only the tool's output
+    assert chained[1]["previous_response_id"] in sessions["chained"].responses
+    assert [item["type"] for item in chained[1]["input"]] == ["function_call_output"]
+    tok = AutoTokenizer.from_pretrained(tool_model_dir)
+    for session in sessions.values():
+        [segment] = session.segments
+        assert session.tries == 1 and tok.decode(env(segment)) == "\ntool: 5\nassistant: "
