@@ -43,7 +43,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -105,8 +104,9 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
             raise RequestError(f"{name} is not supported by this endpoint (each request is answered at once, from "
                                "its own input and previous_response_id)", param=name)
     fmt = (req.text or {}).get("format") or {"type": "text"}
-    if fmt.get("type") != "text":
-        raise RequestError(f"text.format {fmt.get('type')!r} is not supported: the engines have no constrained "
+    kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+    if kind != "text":
+        raise RequestError(f"text.format {kind!r} is not supported: the engines have no constrained "
                            "decoding; leave text.format out or use {\"type\": \"text\"}", param="text.format")
     return req
 
@@ -248,12 +248,12 @@ def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]
             else "", "status": status}
 
 
-def output_items(choice: Any, message_id: Callable[[], str]) -> list[dict[str, Any]]:
+def output_items(choice: Any) -> list[dict[str, Any]]:
     """The reply's output items: its text as a message (also when empty, unless it called tools), then its calls."""
     calls = choice.reply.message.get("tool_calls") or []
     text = choice.reply.message.get("content") or ""
     logprobs = [e for _, e in choice.pieces if e is not None]
-    message = [message_item(message_id(), text, _status(choice), logprobs)] if text or not calls else []
+    message = [message_item(f"msg_{uuid.uuid4().hex}", text, _status(choice), logprobs)] if text or not calls else []
     return message + [call_item(c) for c in calls]
 
 
@@ -275,5 +275,4 @@ def response_object(rid: str, model: str, req: ResponsesRequest, status: str, ou
 
 def response_body(rid: str, model: str, req: ResponsesRequest, prompt_tokens: int, choice: Any) -> dict[str, Any]:
     """The non-streamed reply of one ``chat_turn.Choice``."""
-    return response_object(rid, model, req, _status(choice), output_items(choice, lambda: f"msg_{uuid.uuid4().hex}"),
-                           usage(prompt_tokens, choice))
+    return response_object(rid, model, req, _status(choice), output_items(choice), usage(prompt_tokens, choice))
