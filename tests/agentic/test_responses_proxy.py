@@ -21,6 +21,8 @@ from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
 from rlcore.engines.async_hf import AsyncHFEngine
 from rlcore.engines.base import RolloutConfig
 from rlcore.models.config import ModelConfig
+from rlcore.agentic.chat_session import RequestError
+from rlcore.agentic.responses_wire import chat_request, input_messages, parse_responses_request
 from rlcore.registry import load_named
 
 TOOL = {"type": "function", "name": "calc", "description": "a+b", "parameters": CALC["function"]["parameters"]}
@@ -34,6 +36,36 @@ def own(segment) -> list[int]:
 
 def env(segment) -> list[int]:
     return [t for t, m in zip(segment.token_ids, segment.policy_mask) if not m]
+
+
+def test_items_decode_into_chat_messages_one_assistant_turn_per_reply():
+    """A reply's text and its calls come back as a message item then function_call items: one assistant
+    message again (as the session recorded it); outputs are tool messages; instructions lead, not kept."""
+    call = lambda i: {"type": "function_call", "call_id": f"call_{i}", "name": "calc",  # noqa: E731
+                      "arguments": json.dumps({"expression": f"{i}+1"}), "id": f"fc_{i}", "status": "completed"}
+    items = [{"role": "developer", "content": "be brief"},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "1+1="}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "let me see",
+                                                                    "annotations": []}]},
+             call(1), call(2),
+             {"type": "function_call_output", "call_id": "call_1", "output": "2"},
+             {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "3"}]}]
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "calc", "arguments": call(i)["arguments"]}}
+             for i in (1, 2)]
+    expected = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1="},
+                {"role": "assistant", "content": "let me see", "tool_calls": calls},
+                {"role": "tool", "tool_call_id": "call_1", "content": "2"},
+                {"role": "tool", "tool_call_id": "call_2", "content": "3"}]
+    assert input_messages(items) == expected
+    history = [{"role": "user", "content": "0="}, {"role": "assistant", "content": "0"}]
+    req = parse_responses_request({"input": items[1:], "instructions": "hi", "max_output_tokens": 5,
+                                   "tools": [TOOL], "tool_choice": {"type": "function", "name": "calc"}})
+    chat, conversation = chat_request(req, history)
+    assert chat.messages == [{"role": "system", "content": "hi"}] + history + expected[1:]
+    assert conversation == history + expected[1:]  # what a response to it keeps: no instructions
+    assert (chat.max_tokens, chat.tools, chat.tool_mode()) == (5, [CALC], ("function", "calc"))
+    with pytest.raises(RequestError, match="call_2"):  # its output is missing
+        chat_request(parse_responses_request({"input": items[:-1]}), [])
 
 
 def test_a_greedy_response_is_the_chat_routes_reply_with_real_usage(model_dir, tok, ref_model):
