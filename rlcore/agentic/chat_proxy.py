@@ -8,19 +8,27 @@ served by the policy: the session in the URL path keeps all its turns on one eng
 session-sticky router) and in one token-exact trajectory (``rlcore.agentic.chat_session``), so
 the agent needs no ``extra_body`` and no change at all.
 
-Routes (both wire formats are decoded into one canonical request, ``openai_wire.ChatRequest``,
+Routes (all three wire formats are decoded into one canonical request, ``openai_wire.ChatRequest``,
 and generated alike, ``rlcore.agentic.chat_turn``):
     POST /s/{session}/v1/chat/completions   OpenAI's (``openai_wire``): non-streaming, or SSE deltas
                                             with ``stream=true`` (``stream_options.include_usage``);
                                             n, max_tokens / max_completion_tokens, stop, logprobs /
                                             top_logprobs, tools -> structured ``tool_calls``,
                                             tool_choice; real ``usage``
+    POST /s/{session}/v1/responses          OpenAI's Responses API (``responses_wire``,
+                                            ``responses_route``): input as a string or message /
+                                            function_call / function_call_output items,
+                                            instructions, function tools, tool_choice,
+                                            max_output_tokens, previous_response_id (within the
+                                            session), Response objects with usage, and the
+                                            response.created ... response.completed event stream
     POST /s/{session}/v1/messages           Anthropic's (``anthropic_wire``): system, text /
                                             tool_use / tool_result blocks, tools with input_schema,
                                             tool_choice, stop_sequences, max_tokens, usage, and the
                                             message_start ... message_stop event stream
     POST /s/{session}/v1/messages/count_tokens   the request's prompt rendered whole, counted
     GET  /s/{session}/v1/models             the one model, ``model_name``
+    anything else                           404, naming the routes served
 
 Sampling: by default every request samples with the run's settings (temperature, top-p, top-k):
 the trainer's log-probs refer to them, whatever temperature the agent's code asks for.
@@ -56,6 +64,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from rlcore.agentic.anthropic_wire import (
@@ -79,6 +88,7 @@ from rlcore.agentic.openai_wire import (
     error_body,
     parse_request,
 )
+from rlcore.agentic.responses_route import ResponsesRoute
 from rlcore.engines.base import SamplingSettings
 
 
@@ -118,6 +128,8 @@ class ChatProxy:
         self.turns = TurnMaker(generator, tokenizer, sampling, self.delta, config.client_sampling)
         self._secret = secret or secrets.token_bytes(32)
         self.sessions: dict[str, ChatSession] = {}
+        self.responses = ResponsesRoute(self.turns, self.sessions, config.model_name, config.request_timeout_s,
+                                        config.max_stops)
         self.url: str | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -183,6 +195,11 @@ class ChatProxy:
 
         @app.exception_handler(HTTPException)
         async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+            if exc.status_code in (404, 405):  # no route for this method and path: say which there are
+                served = ", ".join(f"{m} {r.path}" for r in app.routes if isinstance(r, APIRoute)
+                                   for m in sorted(r.methods))
+                return self._error(request, 404, f"no route {request.method} {request.url.path}; served: {served}",
+                                   code="route_not_found")
             return self._error(request, exc.status_code, str(exc.detail), code=str(exc.status_code))
 
         @app.exception_handler(Exception)
@@ -200,6 +217,20 @@ class ChatProxy:
         @app.post("/s/{session_id}/v1/chat/completions")
         async def chat_completions(session_id: str, request: Request):
             return await self._serve(session_id, request, parse_request, self.config.max_stops)
+
+        @app.post("/s/{session_id}/v1/responses")
+        async def responses(session_id: str, request: Request):
+            denied = self._deny(session_id, request)
+            if denied is not None:
+                return denied
+            try:
+                return await self.responses.serve(self.sessions[session_id], await self._read_json(request))
+            except RequestError as exc:
+                return self._error(request, 413 if exc.code == "request_too_large" else 400, str(exc), code=exc.code,
+                                   param=exc.param)
+            except TimeoutError:
+                return self._error(request, 504, f"generation did not finish within {self.config.request_timeout_s:g}s",
+                                   code="timeout")
 
         @app.post("/s/{session_id}/v1/messages")
         async def messages(session_id: str, request: Request):

@@ -124,6 +124,8 @@ class ChatSession:
     tries: int = 0
     discarded_replies: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Responses API: each response's conversation (input, then reply) by id, None if store=false
+    responses: dict[str, list[dict[str, Any]] | None] = field(default_factory=dict)
 
     def context_for(self, messages: Sequence[Mapping[str, Any]], tools: list[Any] | None = None) -> list[int]:
         """The exact ids to generate on for this request (see the module docstring)."""
