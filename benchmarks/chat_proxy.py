@@ -16,7 +16,10 @@ proxy and the engine share one interpreter):
 
 Prints requests/s and generated tokens/s of each and the ratio a/b; ``--json`` writes them. The
 ratio is what the agent's client, HTTP and rendering cost per request against the generation it
-carries (on 2 cores they also take CPU from the engine).
+carries (on 2 cores they also take CPU from the engine). It also prints this process's CPU time per
+request in (a) and (b): with an engine server that is the agents, their clients, the proxy and the
+Ray calls, a measure of the proxy's cost that other jobs on the cores do not blur as they blur the
+rates.
 
 Then time to first token (``--ttft-requests``, 0 to skip): the stock ``openai`` client asks the
 same engine for ``--ttft-tokens``-token replies with ``stream=True`` through a proxy of its own
@@ -139,13 +142,15 @@ async def run(args) -> dict:
     await _limited([runner.play(t, f"warm-{i}") for i, t in enumerate(tasks[:8])], 8)  # warm up both paths
     recorder.requests, recorder.tokens = [], 0
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await _limited([runner.play(t, f"s{i}") for i, t in enumerate(tasks)], args.concurrency)
     proxy_s, proxy_tokens, requests = time.perf_counter() - start, recorder.tokens, list(recorder.requests)
+    proxy_cpu = time.process_time() - cpu
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     completions = await _limited([engine.generate(ids, s) for ids, s in requests], args.concurrency)
     bare_s, bare_tokens = time.perf_counter() - start, sum(len(c.token_ids) for c in completions)
+    bare_cpu = time.process_time() - cpu
     await runner.close()
     ttft = await time_to_first_token(engine, model_dir, sampling, args) if args.ttft_requests else None
     if args.in_process:
@@ -156,7 +161,11 @@ async def run(args) -> dict:
            "requests": len(requests), "proxy_s": proxy_s, "bare_s": bare_s,
            "proxy_requests_per_s": len(requests) / proxy_s, "bare_requests_per_s": len(requests) / bare_s,
            "proxy_tokens_per_s": proxy_tokens / proxy_s, "bare_tokens_per_s": bare_tokens / bare_s,
-           "proxy_over_bare_requests": (len(requests) / proxy_s) / (len(requests) / bare_s), "ttft": ttft}
+           "proxy_over_bare_requests": (len(requests) / proxy_s) / (len(requests) / bare_s),
+           # this process's CPU per request (with an engine server: the agents, their clients, the proxy
+           # and the Ray calls; in-process: the engine too): what the proxy costs, whatever else shares the cores
+           "proxy_cpu_ms_per_request": proxy_cpu / len(requests) * 1e3, "bare_cpu_ms_per_request": bare_cpu / len(requests) * 1e3,
+           "ttft": ttft}
     return out
 
 
@@ -185,6 +194,8 @@ def main() -> None:
     print(f"  proxy  {out['proxy_requests_per_s']:8.1f} requests/s  {out['proxy_tokens_per_s']:8.1f} tokens/s")
     print(f"  bare   {out['bare_requests_per_s']:8.1f} requests/s  {out['bare_tokens_per_s']:8.1f} tokens/s")
     print(f"  proxy / bare: {out['proxy_over_bare_requests']:.2f}")
+    print(f"  this process's CPU per request: proxy {out['proxy_cpu_ms_per_request']:.2f} ms, "
+          f"bare {out['bare_cpu_ms_per_request']:.2f} ms")
     for name, t in (out["ttft"] or {}).items():
         if isinstance(t, dict):
             print(f"  streamed {out['ttft']['tokens']}-token replies, {name.replace('_', ' ')}: first delta "
