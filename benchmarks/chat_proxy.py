@@ -170,7 +170,8 @@ async def client_cost(tasks: list[dict], concurrency: int) -> dict:
 
     async def raw(task, http):
         for messages in conversations(task):
-            r = await http.post(f"{url}/chat/completions", content=json.dumps({"model": "policy", "messages": messages}),
+            body = json.dumps({"model": "policy", "messages": messages})
+            r = await http.post(f"{url}/chat/completions", content=body,
                                 headers={"authorization": "Bearer k", "content-type": "application/json"})
             assert r.json()["choices"][0]["message"]["content"] == "7"
 
@@ -230,7 +231,8 @@ async def run(args) -> dict:
            "proxy_over_bare_requests": (len(requests) / proxy_s) / (len(requests) / bare_s),
            # this process's CPU per request (with an engine server: the agents, their clients, the proxy
            # and the Ray calls; in-process: the engine too): what the proxy costs, whatever else shares the cores
-           "proxy_cpu_ms_per_request": proxy_cpu / len(requests) * 1e3, "bare_cpu_ms_per_request": bare_cpu / len(requests) * 1e3,
+           "proxy_cpu_ms_per_request": proxy_cpu / len(requests) * 1e3,
+           "bare_cpu_ms_per_request": bare_cpu / len(requests) * 1e3,
            "client_cost": clients, "ttft": ttft}
     return out
 
@@ -266,8 +268,9 @@ def main() -> None:
           f"bare {out['bare_cpu_ms_per_request']:.2f} ms")
     if out["client_cost"]:
         c = out["client_cost"]
-        print(f"  the agents' side alone, against a canned reply: stock openai client {c['openai_client_cpu_ms_per_request']:.2f} "
-              f"ms, raw httpx {c['raw_httpx_cpu_ms_per_request']:.2f} ms of CPU per request")
+        print(f"  the agents' side alone, against a canned reply: stock openai client "
+              f"{c['openai_client_cpu_ms_per_request']:.2f} ms, raw httpx {c['raw_httpx_cpu_ms_per_request']:.2f} ms "
+              "of CPU per request")
     for name, t in (out["ttft"] or {}).items():
         if isinstance(t, dict):
             print(f"  streamed {out['ttft']['tokens']}-token replies, {name.replace('_', ' ')}: first delta "
