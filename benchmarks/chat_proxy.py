@@ -2,7 +2,7 @@
 requests straight to the engine.
 
     python -m benchmarks.chat_proxy [--episodes 256] [--concurrency 128] [--backend hf|vllm] [--in-process]
-                                    [--json out.json]
+                                    [--no-client-cost] [--json out.json]
 
 N episodes of ``examples/agents/arithmetic_chat.py:RetryAgent`` (up to 3 tries, 8 tokens a reply),
 C in flight at a time, on the tiny model and one engine: an engine server (a Ray actor of its own,
@@ -16,7 +16,14 @@ proxy and the engine share one interpreter):
 
 Prints requests/s and generated tokens/s of each and the ratio a/b; ``--json`` writes them. The
 ratio is what the agent's client, HTTP and rendering cost per request against the generation it
-carries (on 2 cores they also take CPU from the engine).
+carries (on 2 cores they also take CPU from the engine). It also prints this process's CPU time per
+request in (a) and (b): with an engine server that is the agents, their clients, the proxy and the
+Ray calls, a measure of the proxy's cost that other jobs on the cores do not blur as they blur the
+rates.
+
+Then the agents' side alone (``--no-client-cost`` skips it): the same conversations sent to a canned
+reply by the stock ``openai`` client and by raw ``httpx`` (``client_cost``), CPU per request: the part
+of (a)'s cost that is the agent's client, not the proxy.
 
 Then time to first token (``--ttft-requests``, 0 to skip): the stock ``openai`` client asks the
 same engine for ``--ttft-tokens``-token replies with ``stream=True`` through a proxy of its own
@@ -29,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
+import socket
 import statistics
 import tempfile
 import time
@@ -40,6 +49,7 @@ import httpx
 import openai
 import ray
 import torch
+import uvicorn
 from transformers import AutoTokenizer
 
 from rlcore.agentic.async_router import AsyncSessionRouter
@@ -118,6 +128,65 @@ async def time_to_first_token(engine, model_dir: Path, sampling: SamplingSetting
     return out
 
 
+async def client_cost(tasks: list[dict], concurrency: int) -> dict:
+    """CPU per request of the agents' side alone: RetryAgent's three requests per task (1, 3 and 5
+    messages) sent C at a time to an ASGI app that answers every one with the same canned reply, on
+    uvicorn as the proxy is, by (c1) the stock ``openai`` client and (c2) ``httpx`` posting the JSON
+    itself. c1 - c2 is the openai client's own cost per request (its request transforms, its response
+    models), which no proxy can take off; c2 is the loopback HTTP floor (both ends in this process)."""
+    reply = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "policy", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": "7"}, "finish_reason": "stop", "logprobs": None}],
+        "usage": {"prompt_tokens": 20, "completion_tokens": 2, "total_tokens": 22}}).encode()
+
+    async def canned(scope, receive, send):
+        while (await receive()).get("more_body"):
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(reply)).encode())]})
+        await send({"type": "http.response.body", "body": reply})
+
+    sock = socket.socket()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(canned, interface="asgi3", log_level="warning", access_log=False,
+                                           lifespan="off", proxy_headers=False, server_header=False, date_header=False))
+    server.capture_signals = contextlib.nullcontext  # the benchmark keeps its signals
+    serving = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+
+    def conversations(task):
+        messages = list(task["messages"])
+        for _ in range(3):
+            yield messages
+            messages = messages + [{"role": "assistant", "content": "7"}, {"role": "user", "content": "no. again"}]
+
+    async def stock(task, http):
+        client = openai.AsyncOpenAI(base_url=url, api_key="k", max_retries=0, timeout=60, http_client=http)
+        for messages in conversations(task):
+            answer = await client.chat.completions.create(model="policy", messages=messages)
+            assert answer.choices[0].message.content == "7"
+
+    async def raw(task, http):
+        for messages in conversations(task):
+            body = json.dumps({"model": "policy", "messages": messages})
+            r = await http.post(f"{url}/chat/completions", content=body,
+                                headers={"authorization": "Bearer k", "content-type": "application/json"})
+            assert r.json()["choices"][0]["message"]["content"] == "7"
+
+    out = {}
+    async with openai.DefaultAsyncHttpxClient(timeout=60) as http:
+        for name, episode in (("openai_client", stock), ("raw_httpx", raw)):
+            await _limited([episode(t, http) for t in tasks[:8]], 8)  # warm up
+            cpu = time.process_time()
+            await _limited([episode(t, http) for t in tasks], concurrency)
+            out[f"{name}_cpu_ms_per_request"] = (time.process_time() - cpu) / (3 * len(tasks)) * 1e3
+    server.should_exit = True
+    await serving
+    return out
+
+
 async def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-chat-"))
     model_dir = build_tiny_model(work / "model", seed=0)
@@ -139,15 +208,18 @@ async def run(args) -> dict:
     await _limited([runner.play(t, f"warm-{i}") for i, t in enumerate(tasks[:8])], 8)  # warm up both paths
     recorder.requests, recorder.tokens = [], 0
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await _limited([runner.play(t, f"s{i}") for i, t in enumerate(tasks)], args.concurrency)
     proxy_s, proxy_tokens, requests = time.perf_counter() - start, recorder.tokens, list(recorder.requests)
+    proxy_cpu = time.process_time() - cpu
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     completions = await _limited([engine.generate(ids, s) for ids, s in requests], args.concurrency)
     bare_s, bare_tokens = time.perf_counter() - start, sum(len(c.token_ids) for c in completions)
+    bare_cpu = time.process_time() - cpu
     await runner.close()
     ttft = await time_to_first_token(engine, model_dir, sampling, args) if args.ttft_requests else None
+    clients = await client_cost(tasks, args.concurrency) if args.client_cost else None
     if args.in_process:
         await engine.close()
     else:
@@ -156,7 +228,12 @@ async def run(args) -> dict:
            "requests": len(requests), "proxy_s": proxy_s, "bare_s": bare_s,
            "proxy_requests_per_s": len(requests) / proxy_s, "bare_requests_per_s": len(requests) / bare_s,
            "proxy_tokens_per_s": proxy_tokens / proxy_s, "bare_tokens_per_s": bare_tokens / bare_s,
-           "proxy_over_bare_requests": (len(requests) / proxy_s) / (len(requests) / bare_s), "ttft": ttft}
+           "proxy_over_bare_requests": (len(requests) / proxy_s) / (len(requests) / bare_s),
+           # this process's CPU per request (with an engine server: the agents, their clients, the proxy
+           # and the Ray calls; in-process: the engine too): what the proxy costs, whatever else shares the cores
+           "proxy_cpu_ms_per_request": proxy_cpu / len(requests) * 1e3,
+           "bare_cpu_ms_per_request": bare_cpu / len(requests) * 1e3,
+           "client_cost": clients, "ttft": ttft}
     return out
 
 
@@ -169,6 +246,8 @@ def main() -> None:
     parser.add_argument("--ttft-requests", type=int, default=16, help="streamed requests timed (0: none)")
     parser.add_argument("--ttft-tokens", type=int, default=128, help="tokens of each streamed reply")
     parser.add_argument("--ttft-concurrency", type=int, default=16, help="streamed requests at once, second round")
+    parser.add_argument("--no-client-cost", dest="client_cost", action="store_false",
+                        help="skip timing the clients against a canned reply")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in this process (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="a few episodes: proves it runs")
     parser.add_argument("--json", help="write the results here")
@@ -185,6 +264,13 @@ def main() -> None:
     print(f"  proxy  {out['proxy_requests_per_s']:8.1f} requests/s  {out['proxy_tokens_per_s']:8.1f} tokens/s")
     print(f"  bare   {out['bare_requests_per_s']:8.1f} requests/s  {out['bare_tokens_per_s']:8.1f} tokens/s")
     print(f"  proxy / bare: {out['proxy_over_bare_requests']:.2f}")
+    print(f"  this process's CPU per request: proxy {out['proxy_cpu_ms_per_request']:.2f} ms, "
+          f"bare {out['bare_cpu_ms_per_request']:.2f} ms")
+    if out["client_cost"]:
+        c = out["client_cost"]
+        print(f"  the agents' side alone, against a canned reply: stock openai client "
+              f"{c['openai_client_cpu_ms_per_request']:.2f} ms, raw httpx {c['raw_httpx_cpu_ms_per_request']:.2f} ms "
+              "of CPU per request")
     for name, t in (out["ttft"] or {}).items():
         if isinstance(t, dict):
             print(f"  streamed {out['ttft']['tokens']}-token replies, {name.replace('_', ' ')}: first delta "

@@ -66,6 +66,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from rlcore.agentic.anthropic_wire import (
     MAX_STOP_SEQUENCES,
@@ -145,8 +146,10 @@ class ChatProxy:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.config.host, self.config.port))
         host, port = sock.getsockname()[:2]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30)
+        # Per request, nothing more than a reply needs: no X-Forwarded-For reading (no one reads the
+        # client's address), no date and server headers for the client to parse.
+        config = uvicorn.Config(self._asgi, interface="asgi3", log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30, proxy_headers=False, server_header=False, date_header=False)
         self._server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         for _ in range(500):  # up within 5 s, or its error surfaces
@@ -190,6 +193,45 @@ class ChatProxy:
         return session
 
     # ------------------------------------------------------------------ HTTP
+    async def _asgi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The server's app: a generation request goes straight to ``_serve``; the rest to the FastAPI app.
+
+        Why: FastAPI's middleware, routing and dependency solving cost a request more than the session's
+        own work does (~0.1-0.2 ms of CPU, ``benchmarks/chat_proxy.py``), and with many short turns that is
+        time the agents' event loop (and on a small machine, the engine) does not get. The routes taken
+        here are FastAPI's too (``_build_app``), served alike; an error raised while building the
+        response is the same 500 body, then raised on for the server to log, as Starlette does."""
+        route = self._generation_route(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        session_id, parse, max_stops = route
+        request = Request(scope, receive)
+        try:
+            response = await self._serve(session_id, request, parse, max_stops)
+        except Exception as exc:
+            await self._internal_error(request, exc)(scope, receive, send)
+            raise
+        await response(scope, receive, send)
+
+    def _generation_route(self, scope: Scope) -> tuple[str, Any, int] | None:
+        """``(session_id, parse, max_stops)`` for ``POST /s/{session_id}/v1/chat/completions`` or
+        ``.../v1/messages`` (a session id is one path segment, as FastAPI matches ``{session_id}``)."""
+        path = scope["path"]
+        if not path.startswith("/s/"):
+            return None
+        session_id, _, tail = path[3:].partition("/")
+        if not session_id:
+            return None
+        if tail == "v1/chat/completions":
+            return session_id, parse_request, self.config.max_stops
+        if tail == "v1/messages":
+            return session_id, parse_messages_request, MAX_STOP_SEQUENCES
+        return None
+
+    def _internal_error(self, request: Request, exc: Exception) -> JSONResponse:
+        return self._error(request, 500, f"internal error: {type(exc).__name__}: {exc}", code="server_error")
+
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="rlcore chat proxy", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -204,7 +246,7 @@ class ChatProxy:
 
         @app.exception_handler(Exception)
         async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-            return self._error(request, 500, f"internal error: {type(exc).__name__}: {exc}", code="server_error")
+            return self._internal_error(request, exc)
 
         @app.get("/s/{session_id}/v1/models")
         async def models(session_id: str, request: Request):

@@ -315,6 +315,33 @@ def test_keys_sessions_and_bad_bodies_get_openai_errors_and_the_server_goes_on(m
     assert ok.choices[0].message.content is not None and running == 0
 
 
+def test_an_error_inside_a_generation_request_is_a_500_in_its_wire_format_and_the_server_goes_on(model_dir):
+    """Generation requests skip the FastAPI app (``ChatProxy._asgi``): an exception there is still the
+    wire format's 500 body, OpenAI's or Anthropic's, and the next request on the session is served."""
+    async def scenario():
+        async with serving(model_dir, SAMPLED) as (proxy, rec, _):
+            access = proxy.open_session("s", 200)
+            messages = [{"role": "user", "content": "1+1="}]
+
+            async def broken(*args, **kwargs):
+                raise RuntimeError("the engine broke")
+            rec.generate = broken
+            with pytest.raises(openai.InternalServerError) as openai_error:
+                await client(access).chat.completions.create(model="p", messages=messages)
+            async with httpx.AsyncClient(base_url=access.session_url, headers={"x-api-key": access.api_key}) as h:
+                anthropic_error = await h.post("/v1/messages", json={"model": "p", "max_tokens": 4, "messages": messages})
+            del rec.generate
+            ok = await client(access).chat.completions.create(model="p", messages=messages)
+            return openai_error.value, anthropic_error, ok
+
+    openai_error, anthropic_error, ok = asyncio.run(scenario())
+    assert openai_error.status_code == 500 and openai_error.body["type"] == "server_error"
+    assert "RuntimeError: the engine broke" in openai_error.body["message"]
+    assert anthropic_error.status_code == 500 and anthropic_error.json()["type"] == "error"
+    assert "the engine broke" in anthropic_error.json()["error"]["message"]
+    assert ok.choices[0].message.content is not None
+
+
 def test_a_client_that_disconnects_mid_stream_cancels_the_request_and_the_session_goes_on(model_dir):
     long = dataclasses.replace(SAMPLED, max_new_tokens=2000, ignore_eos=True)
 
