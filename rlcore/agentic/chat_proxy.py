@@ -134,6 +134,9 @@ class ChatProxy:
         self.url: str | None = None
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
+        # the generation routes, by path after /s/{session}/: served by _asgi without FastAPI's machinery
+        self._generation_routes = {"v1/chat/completions": self._serve_chat, "v1/responses": self._serve_responses,
+                                   "v1/messages": self._serve_messages}
         self.app = self._build_app()
 
     # ------------------------------------------------------------------ lifecycle
@@ -205,29 +208,24 @@ class ChatProxy:
         if route is None:
             await self.app(scope, receive, send)
             return
-        session_id, parse, max_stops = route
+        session_id, serve = route
         request = Request(scope, receive)
         try:
-            response = await self._serve(session_id, request, parse, max_stops)
+            response = await serve(session_id, request)
         except Exception as exc:
             await self._internal_error(request, exc)(scope, receive, send)
             raise
         await response(scope, receive, send)
 
-    def _generation_route(self, scope: Scope) -> tuple[str, Any, int] | None:
-        """``(session_id, parse, max_stops)`` for ``POST /s/{session_id}/v1/chat/completions`` or
-        ``.../v1/messages`` (a session id is one path segment, as FastAPI matches ``{session_id}``)."""
+    def _generation_route(self, scope: Scope) -> tuple[str, Any] | None:
+        """``(session_id, serve)`` for ``POST /s/{session_id}/v1/chat/completions``, ``.../v1/responses``
+        or ``.../v1/messages`` (a session id is one path segment, as FastAPI matches ``{session_id}``)."""
         path = scope["path"]
         if not path.startswith("/s/"):
             return None
         session_id, _, tail = path[3:].partition("/")
-        if not session_id:
-            return None
-        if tail == "v1/chat/completions":
-            return session_id, parse_request, self.config.max_stops
-        if tail == "v1/messages":
-            return session_id, parse_messages_request, MAX_STOP_SEQUENCES
-        return None
+        serve = self._generation_routes.get(tail)
+        return (session_id, serve) if session_id and serve is not None else None
 
     def _internal_error(self, request: Request, exc: Exception) -> JSONResponse:
         return self._error(request, 500, f"internal error: {type(exc).__name__}: {exc}", code="server_error")
@@ -256,27 +254,8 @@ class ChatProxy:
             return {"object": "list", "data": [{"id": self.config.model_name, "object": "model", "created": 0,
                                                 "owned_by": "rlcore"}]}
 
-        @app.post("/s/{session_id}/v1/chat/completions")
-        async def chat_completions(session_id: str, request: Request):
-            return await self._serve(session_id, request, parse_request, self.config.max_stops)
-
-        @app.post("/s/{session_id}/v1/responses")
-        async def responses(session_id: str, request: Request):
-            denied = self._deny(session_id, request)
-            if denied is not None:
-                return denied
-            try:
-                return await self.responses.serve(self.sessions[session_id], await self._read_json(request))
-            except RequestError as exc:
-                return self._error(request, 413 if exc.code == "request_too_large" else 400, str(exc), code=exc.code,
-                                   param=exc.param)
-            except TimeoutError:
-                return self._error(request, 504, f"generation did not finish within {self.config.request_timeout_s:g}s",
-                                   code="timeout")
-
-        @app.post("/s/{session_id}/v1/messages")
-        async def messages(session_id: str, request: Request):
-            return await self._serve(session_id, request, parse_messages_request, MAX_STOP_SEQUENCES)
+        for tail, serve in self._generation_routes.items():  # served by _asgi; here for the route list
+            app.add_api_route(f"/s/{{session_id}}/{tail}", serve, methods=["POST"])
 
         @app.post("/s/{session_id}/v1/messages/count_tokens")
         async def count_tokens(session_id: str, request: Request):
@@ -295,6 +274,25 @@ class ChatProxy:
                 return self._error(request, 413 if exc.code == "request_too_large" else 400, str(exc))
 
         return app
+
+    async def _serve_chat(self, session_id: str, request: Request):
+        return await self._serve(session_id, request, parse_request, self.config.max_stops)
+
+    async def _serve_messages(self, session_id: str, request: Request):
+        return await self._serve(session_id, request, parse_messages_request, MAX_STOP_SEQUENCES)
+
+    async def _serve_responses(self, session_id: str, request: Request):
+        denied = self._deny(session_id, request)
+        if denied is not None:
+            return denied
+        try:
+            return await self.responses.serve(self.sessions[session_id], await self._read_json(request))
+        except RequestError as exc:
+            return self._error(request, 413 if exc.code == "request_too_large" else 400, str(exc), code=exc.code,
+                               param=exc.param)
+        except TimeoutError:
+            return self._error(request, 504, f"generation did not finish within {self.config.request_timeout_s:g}s",
+                               code="timeout")
 
     async def _serve(self, session_id: str, request: Request, parse, max_stops: int):
         """One request on either wire: checked, decoded into the canonical request, generated."""
