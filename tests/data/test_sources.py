@@ -53,10 +53,9 @@ def test_reasoning_gym_rows_are_seeded_held_out_and_resumable(tok, model_dir, tm
 
 
 def test_a_generator_source_rolls_over_passes_and_resumes_across_them(tok, model_dir, tmp_path):
-    source = f"{FIXTURES}:sums"  # 7 rows a pass, 6 held out for validation only where they repeat
-    loader, val = data(tok, model_dir, tmp_path, source, "+data.source_kwargs.count=7", "data.source_val_size=2")
+    source = f"{FIXTURES}:sums"  # 7 rows a pass; validation's 2 come from another seed
+    loader, _ = data(tok, model_dir, tmp_path, source, "+data.source_kwargs.count=7", "data.source_val_size=2")
     batches = prompts(loader, 5)  # 20 rows: passes 0-2 (each pass another seed)
-    state_after_2 = None
     fresh, _ = data(tok, model_dir, tmp_path, source, "+data.source_kwargs.count=7", "data.source_val_size=2")
     it = iter(fresh)
     next(it), next(it)
@@ -71,7 +70,8 @@ def test_a_generator_source_rolls_over_passes_and_resumes_across_them(tok, model
 
 
 def test_a_source_that_ignores_the_seed_gets_a_held_out_split(tok, model_dir, tmp_path):
-    """bad_rows takes a seed but yields the same rows: validation is the first, training the others."""
+    """Validation under the training seed (as a source that ignores its seed gives): the same stream, so
+    validation is its first rows and training never sees them."""
     loader, val = data(tok, model_dir, tmp_path, f"{FIXTURES}:sums", "+data.source_kwargs.count=5",
                        "data.source_val_seed=0", "data.source_val_size=2", "data.train_batch_size=3")
     held = set(val[0].non_tensor_batch["raw_prompt"])
@@ -142,3 +142,14 @@ def test_verifiers_rows_and_rubric_score(tok, model_dir, tmp_path):
         data(tok, model_dir, tmp_path, f"verifiers:{FIXTURES}:tool_env")
     with pytest.raises(ValueError, match="Could not import 'no_such_env'"):
         data(tok, model_dir, tmp_path, "verifiers:no_such_env")
+
+
+def test_a_source_may_not_rebind_a_registered_reward():
+    from rlcore.rewards.registry import bind_source_reward
+    with pytest.raises(ValueError, match="registered reward function's name"):
+        bind_source_reward("gsm8k", lambda response, ground_truth, **_: 0.0)
+    with pytest.raises(ValueError, match="without ':'"):
+        bind_source_reward("a:b", lambda response, ground_truth, **_: 0.0)
+    bind_source_reward("test_rebound", lambda response, ground_truth, **_: 1.0)
+    bind_source_reward("test_rebound", lambda response, ground_truth, **_: 2.0)  # the next run's source wins
+    assert get_reward_fn("test_rebound")("", "") == 2.0
