@@ -291,6 +291,19 @@ class SourceLoader:
         self.stream.seek(state["pass"], state["offset"])
 
 
+def check_first_rows(spec: str, kwargs: Mapping[str, Any], seed: int, count: int, encode: RowEncoder) -> None:
+    """Draw, check and encode the first ``count`` training rows in a stream of their own: a source whose
+    rows are wrong fails at load time, naming the row and the key, not at its first step. (Later rows are
+    checked as they are drawn: an endless stream cannot be read up front.)"""
+    stream = RowStream(spec, kwargs, seed, "train")
+    for _ in range(count):
+        try:
+            _, row = next(stream)
+        except StopIteration:
+            return
+        encode(row, stream.origin())
+
+
 def validation_items(stream: RowStream, encode: RowEncoder, size: int) -> tuple[list[dict[str, Any]], set[str]]:
     """The first ``size`` usable rows of the validation stream's first pass, encoded, and their prompts
     (``prompt_key``: what the training stream skips)."""

@@ -46,6 +46,7 @@ from rlcore.data.sources import (
     RowEncoder,
     RowStream,
     SourceLoader,
+    check_first_rows,
     collate_items,
     validation_items,
 )
@@ -364,6 +365,7 @@ def _source_data(cfg: DictConfig, tokenizer: Any) -> tuple[SourceLoader, list[Da
     train, val = RowStream(d.source, kwargs, d.seed, "train"), RowStream(d.source, kwargs, val_seed, "val")
     encode = RowEncoder(tokenizer, d.max_prompt_length, d.apply_chat_template, train.reward is not None)
     val_items, held_out = validation_items(val, encode, d.source_val_size)
+    check_first_rows(d.source, kwargs, d.seed, d.train_batch_size, encode)
     loader = SourceLoader(train, encode, d.train_batch_size, tokenizer.pad_token_id, held_out)
     if train.reward is not None:
         bind_source_reward(train.data_source, train.reward)

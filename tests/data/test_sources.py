@@ -80,8 +80,10 @@ def test_a_source_that_ignores_the_seed_gets_a_held_out_split(tok, model_dir, tm
 
 
 def test_errors_name_the_row_and_the_key(tok, model_dir, tmp_path):
-    with pytest.raises(ValueError, match=r"row 3: key 'answer' missing"):
-        loader, _ = data(tok, model_dir, tmp_path, f"{FIXTURES}:bad_rows", "data.source_val_size=8")
+    with pytest.raises(ValueError, match=r"\(val, pass 0\) row 3: key 'answer' missing"):
+        data(tok, model_dir, tmp_path, f"{FIXTURES}:bad_rows", "data.source_val_size=8")
+    with pytest.raises(ValueError, match=r"\(train, pass 0\) row 3: key 'answer' missing"):  # at load, not step 1
+        data(tok, model_dir, tmp_path, f"{FIXTURES}:bad_rows", "data.source_val_size=1")
     with pytest.raises(ValueError, match="reasoning-gym has no task 'chain_sums'"):
         data(tok, model_dir, tmp_path, "reasoning_gym:chain_sums")
     with pytest.raises(ValueError, match=r"do not fit the task's config"):
