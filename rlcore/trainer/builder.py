@@ -20,7 +20,9 @@ theirs the same way).
 
 Data. ``data.train_files`` / ``data.val_files`` name prompt files (jsonl/parquet with the prompt,
 answer and data_source columns); left null, the synthetic arithmetic task of ``data.arithmetic`` is
-written under ``<trainer.output_dir>/data/`` once and reused.
+written under ``<trainer.output_dir>/data/`` once and reused. ``data.source`` instead streams prompts
+produced on the fly (rlcore.data.sources: a generator, reasoning-gym, verifiers), each source's own
+verifier bound as the reward of its rows.
 """
 
 from __future__ import annotations
