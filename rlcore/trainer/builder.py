@@ -361,6 +361,9 @@ def _source_data(cfg: DictConfig, tokenizer: Any) -> tuple[SourceLoader, list[Da
     the training stream, which skips them. The source's own reward is bound to its data_source, where the
     reward manager looks a row's function up (``reward.reward_fn`` / ``reward_fn_by_source`` still win)."""
     d = cfg.data
+    if d.get("response_key"):
+        raise ValueError("data.response_key names a column of data files; a source's rows have prompt and answer "
+                         "only (SFT on a source trains on the answer): unset it, or write the rows to a file")
     kwargs = OmegaConf.to_container(d.source_kwargs, resolve=True) if d.source_kwargs else {}
     val_seed = d.source_val_seed if d.source_val_seed is not None else d.seed + VAL_SEED_OFFSET
     phase(f"opening data.source={d.source} (train seed {d.seed}, validation seed {val_seed})")
