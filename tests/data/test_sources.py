@@ -155,3 +155,12 @@ def test_a_source_may_not_rebind_a_registered_reward():
     bind_source_reward("test_rebound", lambda response, ground_truth, **_: 1.0)
     bind_source_reward("test_rebound", lambda response, ground_truth, **_: 2.0)  # the next run's source wins
     assert get_reward_fn("test_rebound")("", "") == 2.0
+
+
+def test_verifiers_load_environment_by_id(tok, model_dir, tmp_path, monkeypatch):
+    """``verifiers:<id>`` goes through verifiers.load_environment, which imports the id's module."""
+    pytest.importorskip("verifiers")
+    monkeypatch.syspath_prepend(str(FIXTURES.parent))
+    loader, val = data(tok, model_dir, tmp_path, "verifiers:rlcore-vf-sums", "+data.source_kwargs.n=10",
+                       "data.source_val_size=3", "data.apply_chat_template=true")
+    assert len(val[0]) == 3 and set(next(iter(loader))[1]["data_source"]) == {"verifiers/rlcore-vf-sums"}
