@@ -34,12 +34,13 @@ from rlcore.registry import load_named
 _ENVS: dict[str, Any] = {}  # one environment per (id, arguments): the train and validation streams share it
 
 
-def load_env(name: str, kwargs: dict[str, Any]) -> Any:
-    """The environment ``name`` (an id, or a factory's import path), built once per arguments."""
+def load_env(name: str, kwargs: dict[str, Any], multi_turn: bool = False) -> Any:
+    """The environment ``name`` (an id, or a factory's import path), built once per arguments; a
+    multi-turn one only with ``multi_turn`` (its episodes go through rlcore.agentic.verifiers_env)."""
+    import verifiers as vf  # the optional "envs" extra
+
     key = json.dumps([name, kwargs], sort_keys=True, default=repr)
     if key not in _ENVS:
-        import verifiers as vf  # the optional "envs" extra
-
         if ":" in name:
             factory = load_named(name, "data.source=verifiers:<factory>")
             if not callable(factory):
@@ -49,20 +50,24 @@ def load_env(name: str, kwargs: dict[str, Any]) -> Any:
             env = vf.load_environment(name, **kwargs)
         if not isinstance(env, vf.Environment):
             raise TypeError(f"data.source=verifiers:{name} gave a {type(env).__name__}, not a verifiers Environment")
-        if not isinstance(env, vf.SingleTurnEnv):
-            raise ValueError(f"data.source=verifiers:{name} is a multi-turn environment ({type(env).__name__}); "
-                             "a prompt source takes single-turn environments only (vf.SingleTurnEnv): "
-                             "see docs/environments.md")
         _ENVS[key] = env
-    return _ENVS[key]
+    env = _ENVS[key]
+    if not multi_turn and not isinstance(env, vf.SingleTurnEnv):
+        raise ValueError(f"data.source=verifiers:{name} is a multi-turn environment ({type(env).__name__}); GRPO "
+                         "on single responses takes single-turn environments (vf.SingleTurnEnv). Its episodes train "
+                         "with recipes.multi_turn_grpo and env.name=rlcore.agentic.verifiers_env:VerifiersEnv "
+                         "(+data.source_kwargs.multi_turn=true): see docs/environments.md")
+    return env
 
 
-def verifiers_source(name: str, *, seed: int, split: str, score_timeout_s: float = 8.0,
+def verifiers_source(name: str, *, seed: int, split: str, score_timeout_s: float = 8.0, multi_turn: bool = False,
                      **env_args: Any) -> PromptSource:
-    """The rows of environment ``name`` for ``split`` shuffled by ``seed``, scored by its rubric."""
+    """The rows of environment ``name`` for ``split`` shuffled by ``seed``, scored by its rubric
+    (``multi_turn``: a multi-turn environment's rows, for its episodes; the rubric then scores the one
+    reply of the single-turn validation)."""
     if not score_timeout_s > 0:
         raise ValueError(f"data.source_kwargs.score_timeout_s must be positive, got {score_timeout_s!r}")
-    env = load_env(name, env_args)
+    env = load_env(name, env_args, multi_turn)
     has_eval = split == "val" and env.build_eval_dataset() is not None
     dataset = env.get_eval_dataset(seed=seed) if has_eval else env.get_dataset(seed=seed)
     chat = env.message_type == "chat"

@@ -70,3 +70,25 @@ def tool_env():
         return a + b
 
     return vf.ToolEnv(dataset=datasets.Dataset.from_list([{"question": "1+1=", "answer": "2"}]), tools=[add])
+
+
+def retry_env(n: int = 20, max_turns: int = 2):
+    """A multi-turn verifiers environment: a wrong answer hears "wrong, try again." (up to ``max_turns``
+    tries); solved ends the episode; the rubric scores the last answer (1.0 * correct)."""
+    import datasets
+    import verifiers as vf
+
+    class Retry(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            return [{"role": "user", "content": "wrong, try again."}]
+
+        @vf.stop
+        async def solved(self, state, **kwargs) -> bool:
+            steps = state["trajectory"]
+            return bool(steps) and correct(steps[-1]["completion"], state["answer"]) == 1.0
+
+    rng = random.Random(1)
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a, b in
+            ((rng.randint(0, 9), rng.randint(0, 9)) for _ in range(n))]
+    return Retry(dataset=datasets.Dataset.from_list(rows), rubric=vf.Rubric(funcs=[correct], parser=_xml()),
+                 parser=_xml(), max_turns=max_turns)

@@ -61,3 +61,25 @@ def test_a_verifiers_environment_trains_with_its_rubric(tmp_path, tiny_model):
     assert [r["step"] for r in logged] == [0, 1, 2]
     assert {"reward/verifiers/arithmetic_env/mean", "reward/extra/correct/mean", "reward/extra/tagged/mean"} \
         <= logged[1].keys()
+
+
+def test_a_multi_turn_verifiers_environment_trains_through_the_env_api(tmp_path, tiny_model):
+    """multi_turn_grpo: the environment's rows as the data, its episodes played by
+    rlcore.agentic.verifiers_env (env_response between the policy's turns), its rubric as the reward."""
+    pytest.importorskip("verifiers")
+    import recipes.multi_turn_grpo
+    env = f"{FIXTURES}:retry_env"
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose("multi_turn_grpo", overrides=[
+            f"model.path={tiny_model}", f"trainer.output_dir={tmp_path}", *TINY, "trainer.total_steps=2",
+            f"data.source=verifiers:{env}", "+data.source_kwargs.multi_turn=true", "data.apply_chat_template=true",
+            "env.name=rlcore.agentic.verifiers_env:VerifiersEnv", f"+env.kwargs.environment={env}",
+            "+env.kwargs.env_args={max_turns: 2}",
+            "env.max_turns=2", "env.max_total_tokens=128"])
+    run = recipes.multi_turn_grpo.train(cfg)
+    logged = rows(run)
+    assert [r["step"] for r in logged] == [0, 1, 2]
+    assert {"val/reward_mean", "actor/pg_loss"} <= logged[1].keys()
+    # 4 tokens a turn never hold "<answer>x</answer>": every episode is unsolved after the environment's
+    # reply, so it takes both turns and its rubric scores 0
+    assert logged[1]["episode/turns_mean"] == 2.0 and logged[1]["episode/reward_mean"] == 0.0
