@@ -16,9 +16,9 @@ completion): the weighted sum of its functions, each function's own score report
 its own, bounded by ``score_timeout_s`` (default 8 s, below the reward manager's 10 s). verifiers
 itself turns a reward function's exception into a 0 (and logs it).
 
-Single-turn only: a multi-turn environment (tools, games, user simulators) needs its ``env_response``
-between the policy's turns, which is rlcore's agentic env API's job (rlcore.agentic.env), not a
-prompt source's; such an environment is refused here, naming it (docs/environments.md says what is left).
+Single-turn environments here: GRPO scores one response per prompt. A multi-turn environment (its
+``env_response`` between the policy's turns) is refused unless ``multi_turn=true``, which hands its rows
+to recipes.multi_turn_grpo, whose episodes rlcore.agentic.verifiers_env plays through rlcore's env API.
 """
 
 from __future__ import annotations
