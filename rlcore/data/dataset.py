@@ -148,6 +148,10 @@ class PromptDataset(torch.utils.data.Dataset):
     `ground_truth` is then None. Every column in `extra_keys` must exist. Rows in verl's layout (a
     `reward_model` column, no `answer_key` column) take `reward_model.ground_truth` as the ground
     truth and keep `extra_info` (None for the other rows of a dataset that has any).
+
+    `records` replaces the files with rows already in memory, as (name for messages, rows) pairs: what
+    a prompt source (rlcore.data.sources) produces; `check_truth=False` lets a row's ground truth be
+    anything (a source with its own verifier decides what it needs).
     """
 
     def __init__(
@@ -160,6 +164,8 @@ class PromptDataset(torch.utils.data.Dataset):
         apply_chat_template: bool | str | None = None,
         filter_overlong: bool = True,
         extra_keys: Sequence[str] = ("data_source",),
+        records: Sequence[tuple[str, list[dict[str, Any]]]] | None = None,
+        check_truth: bool = True,
     ) -> None:
         if max_prompt_length <= 0:
             raise ValueError(f"max_prompt_length must be positive, got {max_prompt_length}")
@@ -169,14 +175,16 @@ class PromptDataset(torch.utils.data.Dataset):
         self.extra_keys = tuple(extra_keys)
 
         files = [files] if isinstance(files, (str, Path)) else list(files)
-        if not files:
+        if not files and records is None:
             raise ValueError("PromptDataset needs at least one file")
+        # (where the rows came from, the rows, their columns): files, or rows a prompt source made in memory
+        inputs = ([(str(path), rows, sorted({k for row in rows for k in row})) for path, rows in records]
+                  if records is not None else [(path, *read_records(path)) for path in files])
         raw_prompts: list[str] = []
         templated: list[bool] = []
         plain: list[bool] = []
         records: list[dict[str, Any]] = []
-        for path in files:
-            rows, columns = read_records(path)
+        for path, rows, columns in inputs:
             for i, row in enumerate(rows):
                 verl = is_verl_row(row, answer_key)
                 wanted = [prompt_key, *([answer_key] if answer_key and not verl else []), *self.extra_keys]
@@ -189,7 +197,8 @@ class PromptDataset(torch.utils.data.Dataset):
                 truth = None
                 if answer_key:
                     truth = verl_ground_truth(row, path, i) if verl else row[answer_key]
-                    check_answer(truth, GROUND_TRUTH_KEY if verl else answer_key, path, i)
+                    if check_truth:
+                        check_answer(truth, GROUND_TRUTH_KEY if verl else answer_key, path, i)
                 text, with_template = self._render(row[prompt_key], path, i)
                 raw_prompts.append(text)
                 templated.append(with_template)
@@ -202,7 +211,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 })
 
         if not raw_prompts:
-            raise ValueError(f"no rows in {[str(f) for f in files]}")
+            raise ValueError(f"no rows in {[str(f) for f in files] or [name for name, _ in records or ()]}")
         if not any(templated):  # plain text only: no chat form to keep
             records = [{k: v for k, v in rec.items() if k != "messages"} for rec in records]
         if any("extra_info" in rec for rec in records):  # every row needs the column to collate

@@ -47,8 +47,32 @@ _REGISTRY: Registry[RewardFn] = Registry("reward function")
 register_reward_fn = _REGISTRY.register
 
 
+# data_source -> the verifier a prompt source brought along (rlcore.data.sources), bound when the run
+# loads its data. Unlike a registered name it may be bound again: each run (a test, a notebook) binds
+# the function of its own source, which closes over that source's settings.
+_SOURCE_BOUND: dict[str, RewardFn] = {}
+
+
+def bind_source_reward(data_source: str, fn: RewardFn) -> None:
+    """Make ``fn`` the function of rows whose data_source is ``data_source`` in this process (and in the
+    scoring processes it forks): the rows of a prompt source carry their own verifier, and the reward
+    manager finds it the way it finds a registered name. A name registered with ``register_reward_fn``
+    cannot be rebound: a source may not silently replace a built-in."""
+    if not isinstance(data_source, str) or not data_source or ":" in data_source:
+        raise ValueError(f"a source's data_source must be a non-empty string without ':', got {data_source!r}")
+    if data_source in _REGISTRY:
+        raise ValueError(f"data_source {data_source!r} is a registered reward function's name; a prompt source "
+                         "with its own reward needs another data_source")
+    if not callable(fn):
+        raise TypeError(f"the reward of source {data_source!r} is a {type(fn).__name__}, not callable")
+    _SOURCE_BOUND[data_source] = fn
+
+
 def get_reward_fn(name_or_path: str) -> RewardFn:
-    """A registered reward function, or one imported from "module:function" / "file.py:function"."""
+    """A registered reward function, or one imported from "module:function" / "file.py:function"
+    (or a prompt source's own function, bound to its data_source: ``bind_source_reward``)."""
+    if name_or_path in _SOURCE_BOUND:
+        return _SOURCE_BOUND[name_or_path]
     if name_or_path in _REGISTRY:
         return _REGISTRY.get(name_or_path)
     if ":" not in name_or_path:
@@ -80,8 +104,9 @@ VERL_SOURCE_PREFIXES = {"aime": "math"}  # aime_2024, aime2025, ... (verl: data_
 
 def reward_fn_for_source(source: str) -> str | None:
     """The registered name that scores rows of this data_source: the source itself when registered,
-    else the built-in a verl data source maps to, else None."""
-    if source in _REGISTRY:
+    else the built-in a verl data source maps to, else None. A prompt source's own function
+    (``bind_source_reward``) is found under its data_source."""
+    if source in _REGISTRY or source in _SOURCE_BOUND:
         return source
     if source in VERL_DATA_SOURCES:
         return VERL_DATA_SOURCES[source]

@@ -20,7 +20,9 @@ theirs the same way).
 
 Data. ``data.train_files`` / ``data.val_files`` name prompt files (jsonl/parquet with the prompt,
 answer and data_source columns); left null, the synthetic arithmetic task of ``data.arithmetic`` is
-written under ``<trainer.output_dir>/data/`` once and reused.
+written under ``<trainer.output_dir>/data/`` once and reused. ``data.source`` instead streams prompts
+produced on the fly (rlcore.data.sources: a generator, reasoning-gym, verifiers), each source's own
+verifier bound as the reward of its rows.
 """
 
 from __future__ import annotations
@@ -41,8 +43,18 @@ from omegaconf import DictConfig, OmegaConf
 from rlcore import single_controller
 from rlcore.data.arithmetic import make_split, write_jsonl
 from rlcore.data.dataset import PromptDataset, PromptLoader, collate_prompts
+from rlcore.data.sources import (
+    VAL_SEED_OFFSET,
+    RowEncoder,
+    RowStream,
+    SourceLoader,
+    check_first_rows,
+    collate_items,
+    validation_items,
+)
 from rlcore.data.word_problems import ROW_LAYOUT, make_word_problems
 from rlcore.protocol import DataProto
+from rlcore.rewards.registry import bind_source_reward, reward_fn_for_source
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
 from rlcore.trainer.choices import resolve_choices
 from rlcore.trainer.config import to_worker_config
@@ -327,17 +339,50 @@ def prompts_to_proto(tensors: dict, non_tensors: dict, meta_info: dict | None = 
 def build_data(cfg: DictConfig, tokenizer: Any) -> tuple[PromptLoader, list[DataProto]]:
     """The resumable training loader (endless; the run length is ``trainer.total_steps``) and the
     validation prompts as DataProto batches marked for greedy decoding."""
-    train_files, val_files = data_files(cfg)
     d = cfg.data
+    if d.get("source") is not None:
+        return _source_data(cfg, tokenizer)
+    train_files, val_files = data_files(cfg)
     phase(f"loading data (data.apply_chat_template={d.apply_chat_template})")
     train = _dataset(cfg, train_files, tokenizer)
     loader = PromptLoader(train, d.train_batch_size, shuffle=d.shuffle, seed=d.seed)
     val = _dataset(cfg, val_files, tokenizer)
     phase(f"data: train {train.describe()}; validation {val.describe()}")
-    size = d.val_batch_size or len(val)
-    batches = []
-    for start in range(0, len(val), size):
-        tensors, non_tensors = collate_prompts([val[i] for i in range(start, min(start + size, len(val)))],
-                                               loader.pad_token_id)
-        batches.append(prompts_to_proto(tensors, non_tensors, {"validate": True}))
-    return loader, batches
+    return loader, _val_batches(cfg, [val[i] for i in range(len(val))], loader.pad_token_id, collate_prompts)
+
+
+def _val_batches(cfg: DictConfig, items: list, pad_token_id: int, collate: Any) -> list[DataProto]:
+    """Validation items as DataProto batches of ``data.val_batch_size`` (all at once by default), marked greedy."""
+    size = cfg.data.val_batch_size or len(items)
+    return [prompts_to_proto(*collate(items[start:start + size], pad_token_id), {"validate": True})
+            for start in range(0, len(items), size)]
+
+
+def _source_data(cfg: DictConfig, tokenizer: Any) -> tuple[SourceLoader, list[DataProto]]:
+    """``build_data`` for ``data.source`` (rlcore.data.sources): validation's rows first (held out), then
+    the training stream, which skips them. The source's own reward is bound to its data_source, where the
+    reward manager looks a row's function up (``reward.reward_fn`` / ``reward_fn_by_source`` still win)."""
+    d = cfg.data
+    if d.get("response_key"):
+        raise ValueError("data.response_key names a column of data files; a source's rows have prompt and answer "
+                         "only (SFT on a source trains on the answer): unset it, or write the rows to a file")
+    kwargs = OmegaConf.to_container(d.source_kwargs, resolve=True) if d.source_kwargs else {}
+    val_seed = d.source_val_seed if d.source_val_seed is not None else d.seed + VAL_SEED_OFFSET
+    phase(f"opening data.source={d.source} (train seed {d.seed}, validation seed {val_seed})")
+    train, val = RowStream(d.source, kwargs, d.seed, "train"), RowStream(d.source, kwargs, val_seed, "val")
+    encode = RowEncoder(tokenizer, d.max_prompt_length, d.apply_chat_template, train.reward is not None)
+    val_items, held_out = validation_items(val, encode, d.source_val_size)
+    check_first_rows(d.source, kwargs, d.seed, d.train_batch_size, encode)
+    loader = SourceLoader(train, encode, d.train_batch_size, tokenizer.pad_token_id, held_out)
+    if train.reward is not None:
+        bind_source_reward(train.data_source, train.reward)
+    elif cfg.get("reward") is not None and cfg.reward.get("reward_fn") is None \
+            and train.data_source not in (cfg.reward.get("reward_fn_by_source") or {}) \
+            and reward_fn_for_source(train.data_source) is None:
+        raise ValueError(f"data.source={d.source} brings no reward and its rows' data_source {train.data_source!r} has "
+                         "no registered function: return a rlcore.data.sources.PromptSource with reward=..., or set "
+                         "reward.reward_fn")
+    phase(f"data: a stream from data.source={d.source} (data_source {train.data_source!r}, "
+          f"{'its own reward' if train.reward is not None else 'the registered reward'}); "
+          f"validation {len(val_items)} held-out rows")
+    return loader, _val_batches(cfg, val_items, loader.pad_token_id, collate_items)

@@ -180,13 +180,23 @@ class DataConfig:
     train_batch_size: int = 64  # prompts per training step
     val_batch_size: int | None = None  # prompts per validation generate call; None: all at once
     shuffle: bool = True
-    seed: int = 0  # shuffling order; epoch e is a pure function of (seed, e)
+    seed: int = 0  # shuffling order; epoch e is a pure function of (seed, e); with data.source: the source's seed
+    # prompts produced on the fly instead of files (rlcore.data.sources, docs/environments.md): "reasoning_gym:<task>",
+    # "verifiers:<environment>", "package.module:function" or "path/file.py:function"; with its own reward
+    source: str | None = None
+    source_kwargs: dict[str, Any] = field(default_factory=dict)  # the source's arguments (size, a task's config, ...)
+    source_val_size: int = 64  # validation rows: the first ones of the source opened with split="val"
+    source_val_seed: int | None = None  # validation's seed; null: data.seed + 1000003 (training skips those prompts)
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     word_problems: WordProblemsConfig = field(default_factory=WordProblemsConfig)
 
     def __post_init__(self) -> None:
         if self.task not in GENERATED_TASKS:
             raise ValueError(f"data.task must be one of {GENERATED_TASKS}, got {self.task!r}")
+        if self.source is not None and (self.train_files is not None or self.val_files is not None):
+            raise ValueError("data.source and data.train_files/val_files exclude each other: prompts come from one")
+        if self.source_val_size <= 0:
+            raise ValueError(f"data.source_val_size must be positive, got {self.source_val_size}")
         if not (self.apply_chat_template is None or isinstance(self.apply_chat_template, bool)
                 or self.apply_chat_template == "auto"):
             raise ValueError(f"data.apply_chat_template must be true, false, null or auto, got {self.apply_chat_template!r}")
