@@ -29,7 +29,7 @@ def calc(expression: str) -> str:
 
 
 class LangGraphAgent:
-    def __init__(self, recursion_limit: int = 8) -> None:
+    def __init__(self, recursion_limit: int = 6) -> None:
         self.recursion_limit = recursion_limit  # graph steps: each model call and each tool run is one
 
     async def run(self, ctx) -> float:

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import re
 
+import openai
 from smolagents import LogLevel, OpenAIServerModel, ToolCallingAgent, tool
 from smolagents.agents import EMPTY_PROMPT_TEMPLATES
+from smolagents.utils import AgentGenerationError
 
 SYSTEM_PROMPT = "use the tools; answer with final_answer."
 
@@ -48,5 +50,11 @@ class SmolAgent:
         agent = ToolCallingAgent(tools=[calc], model=model, max_steps=self.max_steps,
                                  prompt_templates={**EMPTY_PROMPT_TEMPLATES, "system_prompt": SYSTEM_PROMPT},
                                  verbosity_level=LogLevel.OFF)
-        answer = agent.run(ctx.prompt)
+        try:
+            answer = agent.run(ctx.prompt)
+        except AgentGenerationError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, openai.BadRequestError) and cause.code == "context_length_exceeded":
+                return 0.0  # its history outgrew the context: no answer
+            raise
         return float(str(answer).strip() == str(ctx.label).strip())

@@ -1,0 +1,49 @@
+"""The agent frameworks trained unchanged through the chat proxy, in one place: each an example
+agent under examples/agents/, written as that framework's users write it, and what its episodes
+look like on the tool model (``framework_model_dir``). Adding a framework: one line here.
+
+``FrameworkAgent`` is a test-only agent for ``recipes.chat_agent_grpo``: it plays each row with
+the unchanged example agent its ``data_source`` column names, so one recipe run trains on
+episodes of every framework (one run per framework would cost a recipe start each).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlcore.agentic.chat_agent import load_agent
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
+
+
+@dataclass(frozen=True)
+class Framework:
+    agent: str  # examples/agents/<file>:<Class>
+    segments: int  # per episode, on the tool model: 1 where every request extends the session
+    tool_text: str  # the tool's result as the model sees it (the template's rendering of the result message)
+
+    @property
+    def path(self) -> str:
+        file, _, cls = self.agent.partition(":")
+        return f"{EXAMPLES / file}:{cls}"
+
+
+FRAMEWORKS = {
+    "langgraph": Framework("langgraph_agent.py:LangGraphAgent", 1, "\ntool: 5\nassistant: "),
+    "pydantic_ai": Framework("pydantic_ai_chat.py:PydanticAIAgent", 1, "\ntool: 5\nassistant: "),
+    # tool calls re-sent as text, results as a user "Observation:" message: a segment per step
+    "smolagents": Framework("smolagents_agent.py:SmolAgent", 2, "user: <unk>bservation:\n5\nassistant: "),
+}
+
+
+class FrameworkAgent:
+    """Plays a row with the example agent of the framework its ``data_source`` names."""
+
+    async def run(self, ctx) -> float:
+        agent = load_agent(FRAMEWORKS[ctx.task["data_source"]].path)()
+        if inspect.iscoroutinefunction(agent.run):
+            return await agent.run(ctx)
+        return await asyncio.to_thread(agent.run, ctx)  # a synchronous framework (smolagents)
