@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from rlcore.agentic.chat_agent import load_agent
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 
 
-@dataclass(frozen=True)
-class Framework:
+class Framework(NamedTuple):  # not a dataclass: agent.path loads this file outside sys.modules
     agent: str  # examples/agents/<file>:<Class>
     segments: int  # per episode, on the tool model: 1 where every request extends the session
     tool_text: str  # the tool's result as the model sees it (the template's rendering of the result message)
+    first_prompt: str  # the first request's rendering on the tiny models' template
 
     @property
     def path(self) -> str:
@@ -31,11 +31,14 @@ class Framework:
         return f"{EXAMPLES / file}:{cls}"
 
 
+NATIVE = "tools: calc(expression)\nuser: 2+3=\nassistant: "
 FRAMEWORKS = {
-    "langgraph": Framework("langgraph_agent.py:LangGraphAgent", 1, "\ntool: 5\nassistant: "),
-    "pydantic_ai": Framework("pydantic_ai_chat.py:PydanticAIAgent", 1, "\ntool: 5\nassistant: "),
+    "langgraph": Framework("langgraph_agent.py:LangGraphAgent", 1, "\ntool: 5\nassistant: ", NATIVE),
+    "pydantic_ai": Framework("pydantic_ai_chat.py:PydanticAIAgent", 1, "\ntool: 5\nassistant: ", NATIVE),
     # tool calls re-sent as text, results as a user "Observation:" message: a segment per step
-    "smolagents": Framework("smolagents_agent.py:SmolAgent", 2, "user: <unk>bservation:\n5\nassistant: "),
+    "smolagents": Framework("smolagents_agent.py:SmolAgent", 2, "user: <unk>bservation:\n5\nassistant: ",
+                            "tools: calc(expression), final_answer(answer)\nsystem: use the tools; answer with "
+                            "final_answer.\nuser: <unk>ew task:\n2+3=\nassistant: "),
 }
 
 
