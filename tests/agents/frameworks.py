@@ -1,6 +1,8 @@
 """The agent frameworks trained unchanged through the chat proxy, in one place: each an example
 agent under examples/agents/, written as that framework's users write it, and what its episodes
-look like on the tool model (``framework_model_dir``). Adding a framework: one line here.
+look like on the tool model (``framework_model_dir``). Adding a framework: one line here, and, where
+its first request renders differently from those below (a system prompt of its own, other tools),
+its conversation in ``conftest.sequences`` so that the tool model knows it.
 
 ``FrameworkAgent`` is a test-only agent for ``recipes.chat_agent_grpo``: it plays each row with
 the unchanged example agent its ``data_source`` column names, so one recipe run trains on

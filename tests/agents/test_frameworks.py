@@ -83,6 +83,7 @@ def write_rows(path: Path, per_framework: int) -> str:
     return str(path)
 
 
+@pytest.mark.slow
 def test_one_recipe_run_trains_on_every_frameworks_episodes(tmp_path, framework_model_dir, ray_cluster):
     """``recipes.chat_agent_grpo`` on rows spread over the frameworks (``FrameworkAgent`` plays each
     with the example its data_source names): 2 steps logged, the weights moved, and every framework's
@@ -103,7 +104,8 @@ def test_one_recipe_run_trains_on_every_frameworks_episodes(tmp_path, framework_
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2]
     before, after = load_file(Path(framework_model_dir) / "model.safetensors"), load_file(run.dir / "hf" / "model.safetensors")
     assert any(not before[k].equal(after[k]) for k in before)
-    # every framework's groups were played and trained on (the pool counts kept groups by data_source)
+    # every framework's groups were played and trained on (the pool counts kept groups by data_source; with
+    # agentic.max_ready 0 it plays no more groups than a step takes: each step is one pass over the rows)
     drops = json.loads((run.dir / "drops.json").read_text())
     assert {name: drops["by_data_source"][name]["kept"] for name in FRAMEWORKS} == {name: 2 for name in FRAMEWORKS}
     # every trained row (trainer.trajectory_groups covers the batch), by episode: its segments and what the
