@@ -18,7 +18,7 @@ no request follows, the agent is taken to have used ``choices[0]``, as nearly ev
 A request that does not extend it structurally may still re-send the same conversation in another
 form (a framework that rebuilds its history each step, changes a tool's description, or writes the
 model's turn back as text): it is matched to what was sampled before a segment is sealed
-(``rerendered``, below), and continues the segment when the model would see the very same ids.
+(the rule below), and continues the segment when the model would see the very same ids.
 
 A session's requests are served one at a time (``lock``): its history is a single line.
 
