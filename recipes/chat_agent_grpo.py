@@ -78,6 +78,10 @@ def chat_metrics(segments: list) -> dict[str, float]:
             "episode/first_try_right": float(((tries == 1) & (rewards > 0)).mean()),
             "episode/segments_mean": float(np.mean([t.metrics["chat/segments"] for t in episodes])),
             "episode/discarded_replies": float(np.sum([t.metrics["chat/discarded_replies"] for t in episodes])),
+            # requests that re-sent the history in another form: matched to the sampled ids, or sealed
+            "episode/rerendered_matched": float(np.sum([t.metrics.get("chat/rerendered_matched", 0.0) for t in episodes])),
+            "episode/rerendered_unmatched": float(np.sum([t.metrics.get("chat/rerendered_unmatched", 0.0)
+                                                          for t in episodes])),
             "episode/agent_s_mean": float(np.mean([t.metrics["episode/agent_s"] for t in episodes]))}
 
 

@@ -15,8 +15,10 @@ from __future__ import annotations
 import re
 
 from pydantic_ai import Agent
+from pydantic_ai.exceptions import UnexpectedModelBehavior, UsageLimitExceeded
 from pydantic_ai.models.openai import OpenAIResponsesModel
 from pydantic_ai.providers.openai import OpenAIProvider
+from pydantic_ai.usage import UsageLimits
 
 agent = Agent(output_type=str)
 
@@ -32,7 +34,14 @@ def calc(expression: str) -> str:
 
 
 class PydanticAICalculator:
+    def __init__(self, max_requests: int = 3) -> None:
+        self.max_requests = max_requests
+
     async def run(self, ctx) -> float:
         provider = OpenAIProvider(base_url=ctx.base_url, api_key=ctx.api_key)
-        result = await agent.run(ctx.prompt, model=OpenAIResponsesModel(ctx.model_name, provider=provider))
+        try:
+            result = await agent.run(ctx.prompt, model=OpenAIResponsesModel(ctx.model_name, provider=provider),
+                                     usage_limits=UsageLimits(request_limit=self.max_requests))
+        except (UsageLimitExceeded, UnexpectedModelBehavior):  # out of requests, or a reply it could not use
+            return 0.0
         return float(result.output.strip() == str(ctx.label).strip())

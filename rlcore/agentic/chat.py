@@ -90,6 +90,14 @@ class ChatDelta:
             return full[len(cue):at]
         return full[len(cue):at] + name + full[at + len(PROBE_TOOL):args]
 
+    def written_ids(self, model_token_ids: Sequence[int]) -> list[int]:
+        """The model's ids as a rendering of its turn would hold them: without a closing eos the
+        template does not write (the tiny models'); what a re-rendered history is compared with."""
+        ids, eos = list(model_token_ids), self.tokenizer.eos_token
+        if ids and ids[-1] == self.tokenizer.eos_token_id and eos and not self.end_of_turn.startswith(eos):
+            ids.pop()
+        return ids
+
     def close_turn(self, model_token_ids: Sequence[int]) -> list[int]:
         """The ids that close the model's turn and nothing more: the part of ``end_of_turn`` its
         tokens lack (``[]`` when it wrote all of it)."""

@@ -391,6 +391,8 @@ def session_trajectories(session: ChatSession, reward: float, info: dict[str, fl
         seg.info.update(info or {})
         seg.metrics.update({"chat/segments": float(len(session.segments)), "chat/requests": float(session.requests),
                             "chat/tries": float(session.tries),
-                            "chat/discarded_replies": float(session.discarded_replies)})
+                            "chat/discarded_replies": float(session.discarded_replies),
+                            "chat/rerendered_matched": float(session.rerendered_matched),
+                            "chat/rerendered_unmatched": float(session.rerendered_unmatched)})
         seg.episode_id = episode
     return session.segments

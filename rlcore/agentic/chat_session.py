@@ -15,13 +15,32 @@ the client dropped) generates again from the same context, the unseen reply disc
 ``n > 1`` choices, the one the next request continues is kept (the others are discarded); when
 no request follows, the agent is taken to have used ``choices[0]``, as nearly every agent does.
 
+A request that does not extend it structurally may still re-send the same conversation in another
+form (a framework that rebuilds its history each step, changes a tool's description, or writes the
+model's turn back as text): it is matched to what was sampled before a segment is sealed
+(the rule below), and continues the segment when the model would see the very same ids.
+
 A session's requests are served one at a time (``lock``): its history is a single line.
 
 ``tries`` counts the agent's attempts at its task, for ``episode/first_try_right``: the first
 request opens one, a request that adds a *user* message after the model's reply opens the next
 (the agent said "no, again"), and so does one that rewrites the history and ends with a user
 message; tool results, retries of the same request and extra choices do not (a tool-using agent's
-one try takes several requests).
+one try takes several requests). In a history re-sent as text, a reply's tool calls come back as
+assistant text and their results as a *user* message (smolagents' "Observation: ..."): that message
+is the calls' result, not a new try, when the assistant text in the reply's place names every tool
+call id the proxy gave that reply (ids it made up, ``call_<24 hex>``: no agent writes them by chance).
+
+Re-rendered histories, the rule: when a request neither extends the session nor repeats the last
+one, it continues the segment if, for one of the last replies, (1) the whole request rendered (with
+its tools) starts with exactly the segment's ids up to the end of that reply's sampled tokens (an eos
+the template does not write aside), or (2) its first messages are the segment's, then one assistant
+message whose rendering re-tokenises to exactly the ids the model sampled: either way the policy
+would have seen the very same ids, so only the new messages' delta is appended (``rerendered_matched``).
+Otherwise the segment is sealed as above; a request that kept the segment's messages and put an
+assistant message of its own in the reply's place counts as ``rerendered_unmatched`` (the model's
+turn came back in a form it did not write: each such step trains as a segment of its own, on the
+full rendering of what the agent sent, which is what a deployment would show the model).
 """
 
 from __future__ import annotations
@@ -110,6 +129,28 @@ def _same_message(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return key(a) == key(b)
 
 
+def _message_text(message: Mapping[str, Any]) -> str:
+    calls = " ".join(json.dumps(c["function"]) for c in message.get("tool_calls", []))
+    return f"{message['content']} {calls}"
+
+
+def _names_calls(text: str, reply: Reply) -> bool:
+    """Whether ``text`` names every tool call id of ``reply`` (False when it made no calls)."""
+    ids = [c.get("id") for c in reply.message.get("tool_calls") or []]
+    return bool(ids) and all(isinstance(i, str) and i in text for i in ids)
+
+
+def _opens_try(after: Sequence[Mapping[str, Any]], calls_resent: bool) -> bool:
+    """Whether the messages after the model's reply start a new try: a user message does, except the
+    calls' result where the reply's tool calls came back in the history (``calls_resent``) and no
+    tool message answers them: then the first message after is their result, re-rendered as a user
+    message (smolagents' "Observation: ...")."""
+    rest = list(after)
+    if calls_resent and rest and rest[0]["role"] == "user":
+        rest.pop(0)
+    return any(m["role"] == "user" for m in rest)
+
+
 @dataclass
 class ChatSession:
     session_id: Hashable
@@ -123,6 +164,8 @@ class ChatSession:
     requests: int = 0
     tries: int = 0
     discarded_replies: int = 0
+    rerendered_matched: int = 0  # requests matched to the sampled ids though not extending structurally
+    rerendered_unmatched: int = 0  # requests that re-sent the model's turn in a form it did not write
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     # Responses API: each response's conversation (input, then reply) by id, None if store=false
     responses: dict[str, list[dict[str, Any]] | None] = field(default_factory=dict)
@@ -150,12 +193,68 @@ class ChatSession:
                 self.discarded_replies += len(self.pending)  # the same request again
                 self.pending = []
                 return self.current.context()
-        self._seal()
-        self.tries += self.tries == 0 or msgs[-1]["role"] == "user"
+        kept = self._resent_reply(msgs)  # (the reply re-sent in another form, where the new messages start, named)
+        if kept is not None and self._rerendered(msgs, tools, kept[0], kept[1]):
+            return self.current.context()
+        self.rerendered_unmatched += kept is not None
+        opens = _opens_try(msgs[kept[1]:], kept[2]) if kept is not None else msgs[-1]["role"] == "user"
+        self._seal(kept[0] if kept is not None else None)
+        self.tries += self.tries == 0 or opens
         prompt = self.delta.prompt(msgs, **kwargs)
         self._check_room(len(prompt))
         self.current, self.known, self.tools = Trajectory(prompt), msgs, tools
         return self.current.context()
+
+    def _resent_reply(self, msgs: list[dict[str, Any]]) -> tuple[Reply, int, bool] | None:
+        """When ``msgs`` keep the current context's messages and put assistant messages where the
+        reply was: the reply they stand for (the one whose tool call ids they name, else the first),
+        the index of the first message after them, and whether they name its calls' ids. None otherwise."""
+        n = len(self.known)
+        if (self.current is None or not self.pending or len(msgs) <= n or msgs[n]["role"] != "assistant"
+                or not all(_same_message(a, b) for a, b in zip(msgs[:n], self.known))):
+            return None
+        end = n
+        while end < len(msgs) and msgs[end]["role"] == "assistant":
+            end += 1
+        if end == len(msgs):
+            return None  # nothing after it: no request for a next turn
+        said = " ".join(_message_text(m) for m in msgs[n:end])
+        for reply in self.pending:
+            if _names_calls(said, reply):
+                return reply, end, True
+        return self.pending[0], end, False
+
+    def _rerendered(self, msgs: list[dict[str, Any]], tools: list[Any] | None, kept: Reply, end: int) -> bool:
+        """Continue the segment with ``kept`` if the request gives the policy exactly the ids it has
+        (the module docstring's rule); True when it did."""
+        kwargs = {"tools": tools} if tools else {}
+        sampled = self.current.context() + kept.forced + self.delta.written_ids(kept.completion.token_ids)
+        whole = self.delta.prompt(msgs, **kwargs)
+        if whole[:len(sampled)] == sampled and len(whole) > len(sampled):
+            tail = whole[len(sampled):]
+        elif end == len(self.known) + 1 and tools == self.tools and self._retokenises(msgs[:end], kept, kwargs):
+            tail = self.delta.after_model_turn(kept.completion.token_ids, msgs[end:], **kwargs)
+        else:
+            return False
+        self._continue_with(kept)
+        self.rerendered_matched += 1
+        # token-exact: its calls came back as the model wrote them, so the first message after answers them
+        self.tries += _opens_try(msgs[end:], bool(kept.message.get("tool_calls")) and msgs[end]["role"] != "tool")
+        self._check_room(len(self.current) + len(tail))
+        self.current.add_observation(tail)
+        self.known, self.tools = msgs, tools
+        return True
+
+    def _retokenises(self, msgs: list[dict[str, Any]], reply: Reply, kwargs: dict) -> bool:
+        """Whether the last of ``msgs`` (an assistant message after the known ones) renders to text that
+        encodes to exactly the ids the model wrote (its forced opening included)."""
+        before = self.delta.render(msgs[:-1], add_generation_prompt=True, **kwargs)
+        after = self.delta.render(msgs, **kwargs)
+        eot = self.delta.end_of_turn
+        if not after.startswith(before) or not after.endswith(eot):
+            return False
+        text = after[len(before):len(after) - len(eot)]
+        return self.delta.encode(text) == reply.forced + self.delta.written_ids(reply.completion.token_ids)
 
     def room(self) -> int:
         """Tokens the current segment may still generate."""
@@ -182,11 +281,13 @@ class ChatSession:
         self.discarded_replies += len(self.pending) - 1
         self.pending = []
 
-    def _seal(self) -> None:
+    def _seal(self, reply: Reply | None = None) -> None:
+        """Close the current segment with ``reply`` (default: the first of the last request's) as its
+        last turn."""
         if self.current is None:
             return
         if self.pending:
-            self._continue_with(self.pending[0])
+            self._continue_with(reply if reply is not None else self.pending[0])
         if any(self.current.policy_mask):
             self.segments.append(self.current)
         self.current, self.known, self.tools = None, [], None
