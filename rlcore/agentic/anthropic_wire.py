@@ -48,10 +48,10 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlcore.agentic.chat_session import RequestError
-from rlcore.agentic.openai_wire import ChatRequest
+from rlcore.agentic.openai_wire import ChatRequest, validated
 
 MAX_STOP_SEQUENCES = 16
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -87,14 +87,7 @@ class MessagesRequest(BaseModel):
 
 def parse_messages_request(body: Any) -> ChatRequest:
     """The Messages request as the canonical chat request; a ``RequestError`` naming the first bad field."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    try:
-        req = MessagesRequest.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise RequestError(f"{where}: {first['msg']}", param=where or None) from None
+    req = validated(MessagesRequest, body)
     if (req.thinking or {}).get("type", "disabled") not in ("disabled", "adaptive"):
         raise RequestError("thinking is not supported: the policy does not write Anthropic thinking blocks; "
                            "leave thinking out or set it to {\"type\": \"disabled\"} (or \"adaptive\")",

@@ -20,12 +20,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rlcore.agentic.chat_session import RequestError, Reply
 from rlcore.engines.base import SamplingSettings
+
+_Body = TypeVar("_Body", bound=BaseModel)
 
 
 class StreamOptions(BaseModel):
@@ -127,16 +129,22 @@ def _tool_name(tool: Any) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def parse_request(body: Any) -> ChatRequest:
-    """The request, validated; a ``RequestError`` naming the first bad field otherwise."""
+def validated(model: type[_Body], body: Any) -> _Body:
+    """``body`` as the wire's request ``model``; a ``RequestError`` naming the first bad field otherwise
+    (every wire's parser starts here: OpenAI's chat, Responses, Anthropic's messages)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     try:
-        return ChatRequest.model_validate(body)
+        return model.model_validate(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"])
         raise RequestError(f"{where}: {first['msg']}", param=where or None) from None
+
+
+def parse_request(body: Any) -> ChatRequest:
+    """The request, validated; a ``RequestError`` naming the first bad field otherwise."""
+    return validated(ChatRequest, body)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,

@@ -45,10 +45,10 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rlcore.agentic.chat_session import RequestError
-from rlcore.agentic.openai_wire import ChatRequest
+from rlcore.agentic.openai_wire import ChatRequest, validated
 from rlcore.engines.base import SamplingSettings
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
@@ -91,14 +91,7 @@ class ResponsesRequest(BaseModel):
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
     """The request, validated, with what it refuses named; its items are decoded by ``chat_request``."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    try:
-        req = ResponsesRequest.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise RequestError(f"{where}: {first['msg']}", param=where or None) from None
+    req = validated(ResponsesRequest, body)
     for name in ("background", "conversation", "prompt"):
         if getattr(req, name):
             raise RequestError(f"{name} is not supported by this endpoint (each request is answered at once, from "
