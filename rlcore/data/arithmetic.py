@@ -13,7 +13,9 @@ sets that share no prompt.
 from __future__ import annotations
 
 import json
+import os
 import random
+import threading
 from pathlib import Path
 
 import pyarrow as pa
@@ -84,8 +86,12 @@ def write_jsonl(path: str | Path, rows: list[dict[str, str]]) -> Path:
     such as a word problem's worked solution), e.g. a make_split half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
+    # written beside it, then renamed: a run reading the file (another run sharing the output folder,
+    # writing the same generated task at the same moment) sees the whole file or none, never a part
+    part = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.part")
+    with part.open("w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(part, path)
     return path
 
 

@@ -18,7 +18,8 @@ kept (the chat template is part of what the model saw), padding dropped.
 
 Reward components: when the batch has the non-tensor column ``reward_components`` (one mapping per row,
 component name -> value, from the reward function), each name found in the table's rows is a
-``reward/<name>`` column (numbers as floats, anything else as text, empty where a row lacks it).
+``reward/<name>`` column (numbers as floats, anything else as text, empty where a row lacks it), where
+some row has two or more (one function's score would only repeat the reward column).
 """
 
 from __future__ import annotations
@@ -61,11 +62,14 @@ def _component(value: Any) -> float | str | None:
 
 def reward_components(column: Any, rows: Sequence[int]) -> tuple[list[str], list[dict[str, Any]]]:
     """The component names found in ``rows`` of a ``reward_components`` column (sorted) and each row's
-    mapping; rows whose cell is not a mapping (None, a bare number) have no components."""
+    mapping; rows whose cell is not a mapping (None, a bare number) have no components. No names where
+    no row has two or more (a single function's score is the row's reward: no column repeats it)."""
     if column is None:
         return [], [{} for _ in rows]
     cells = [column[i] for i in rows]
     per_row = [{str(k): _component(v) for k, v in c.items()} if isinstance(c, Mapping) else {} for c in cells]
+    if not any(len(c) > 1 for c in per_row):  # one function per row: its score is the reward column already
+        return [], per_row
     names = sorted({k for c in per_row for k in c})
     return names, per_row
 

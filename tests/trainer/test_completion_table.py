@@ -21,7 +21,7 @@ from rlcore.trainer.trajectories import TokenPieces
 COLUMNS = ["step", "data_source", "policy_version", "prompt", "response", "reward", "reward/format", "reward/note",
            "advantage"]
 # step 7's table of the batch below at 3 rows, by hand: 2 groups of 2 (the first and the last), cut at 3
-ROWS = [[7, "arith", 6, "1+", "2</s>", 1.0, 0.5, None, 0.75],
+ROWS = [[7, "arith", 6, "1+", "2</s>", 1.0, 0.5, "ok", 0.75],
         [7, "arith", 6, "1+", "3", 0.0, None, "no answer", -0.75],
         [7, "other", 6, "7+1", "8</s>", 0.0, None, None, 0.0]]  # its format component is NaN: empty
 
@@ -35,8 +35,8 @@ def build_batch(tok):
     resp_attn = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 0]])
     scores = torch.zeros(6, 3)
     scores[0, 1], scores[2, 2] = 1.0, 0.5
-    components = np.array([{"format": 0.5}, {"note": "no answer"}, None, 1.0, {"format": float("nan")}, {}],
-                          dtype=object)
+    components = np.array([{"format": 0.5, "note": "ok"}, {"note": "no answer"}, None, 1.0, {"format": float("nan")},
+                           {}], dtype=object)
     return DataProto.from_dict(
         tensors={"prompts": prompts, "responses": responses, "response_mask": resp_attn,
                  "attention_mask": torch.cat([(prompts != pad).long(), resp_attn], 1),
@@ -61,6 +61,10 @@ def test_reward_components_are_read_tolerantly():
     assert names == ["a", "b", "c"]
     assert rows == [{"a": 1.0, "b": 1.0}, {}, {}, {"c": "x", "a": None}]
     assert reward_components(None, [0, 1]) == ([], [{}, {}])
+    # one function per row (the reward manager's column with a single reward function): its score is the
+    # reward column already, so no component columns
+    assert reward_components(np.array([{"arithmetic": 1.0}, {"arithmetic": 0.0}], dtype=object), [0, 1]) == (
+        [], [{"arithmetic": 1.0}, {"arithmetic": 0.0}])
 
 
 def test_table_cells_are_the_batch_values(model_dir, tok):
@@ -127,7 +131,7 @@ def test_tensorboard_and_mlflow_hold_the_table(tmp_path, monkeypatch):
     assert [t.step for t in texts] == [7, 9]
     markdown = texts[0].tensor_proto.string_val[0].decode()
     assert markdown == markdown_table(COLUMNS, ROWS)
-    assert markdown.splitlines()[2] == "| 7 | arith | 6 | 1+ | 2&lt;/s&gt; | 1 | 0.5 |  | 0.75 |"  # by hand
+    assert markdown.splitlines()[2] == "| 7 | arith | 6 | 1+ | 2&lt;/s&gt; | 1 | 0.5 | ok | 0.75 |"  # by hand
     client = mlflow_tracking.MlflowClient(tracking_uri=(tmp_path / "mlruns").as_uri())
     [run] = client.search_runs([client.get_experiment_by_name("proj").experiment_id])
     assert sorted(a.path for a in client.list_artifacts(run.info.run_id, "completions")) == [
