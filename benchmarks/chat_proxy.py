@@ -237,6 +237,17 @@ async def run(args) -> dict:
     return out
 
 
+def _loop_factory(name: str):
+    """uvloop's loop where asked and installed (Ray runs async actors on it, RAY_USE_UVLOOP), else asyncio's."""
+    if name == "uvloop":
+        try:
+            import uvloop
+            return uvloop.new_event_loop
+        except ImportError:
+            print("uvloop is not installed: asyncio's event loop")
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--episodes", type=int, default=256)
@@ -250,6 +261,9 @@ def main() -> None:
                         help="skip timing the clients against a canned reply")
     parser.add_argument("--threads", type=int, default=None, help="torch threads in this process (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="a few episodes: proves it runs")
+    parser.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop",
+                        help="the event loop of (a) and (b): uvloop, as Ray gives its async actors (the recipe's "
+                             "runners) where it is installed, or asyncio's own")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.quick:
@@ -258,7 +272,9 @@ def main() -> None:
     torch.manual_seed(0)
     if args.threads:
         torch._C.set_num_threads(args.threads)
-    out = asyncio.run(run(args))
+    with asyncio.Runner(loop_factory=_loop_factory(args.loop)) as runner:
+        out = runner.run(run(args))
+    out["loop"] = args.loop
     print(f"{out['requests']} requests of {out['episodes']} episodes, {out['concurrency']} in flight, "
           f"{args.backend} engine {out['engine']}:")
     print(f"  proxy  {out['proxy_requests_per_s']:8.1f} requests/s  {out['proxy_tokens_per_s']:8.1f} tokens/s")
