@@ -164,3 +164,22 @@ def test_verifiers_load_environment_by_id(tok, model_dir, tmp_path, monkeypatch)
     loader, val = data(tok, model_dir, tmp_path, "verifiers:rlcore-vf-sums", "+data.source_kwargs.n=10",
                        "data.source_val_size=3", "data.apply_chat_template=true")
     assert len(val[0]) == 3 and set(next(iter(loader))[1]["data_source"]) == {"verifiers/rlcore-vf-sums"}
+
+
+def test_the_example_verifiers_environment_scores_the_final_number(tok, model_dir, tmp_path):
+    """examples/envs/verifiers_sums.py (the docs' SmolLM2 command): its rubric, run as the trainer runs it."""
+    pytest.importorskip("verifiers")
+    example = Path(__file__).resolve().parents[2] / "examples" / "envs" / "verifiers_sums.py"
+    loader, _ = data(tok, model_dir, tmp_path, f"verifiers:{example}:load_environment", "+data.source_kwargs.n=40",
+                     "data.source_val_size=4", "data.apply_chat_template=true")
+    batch = next(iter(loader))[1]
+    truth, extra = batch["ground_truth"][0], batch["extra_info"][0]
+    a, b = (int(x) for x in extra["input"]["question"].removeprefix("What is ").removesuffix("?").split(" + "))
+    assert truth == str(a + b)
+    score = get_reward_fn(batch["data_source"][0])
+    # 1.0 for the right final number (tagged, else the reply's last number), + 0.2 x the parser's format score
+    tagged, plain, rambling = (score(text, truth, extra_info=extra) for text in (
+        f"<answer>{truth}</answer>", f"{a} + {b} = {truth}", f"{a} + {b} = {truth}, which is {a + b + 1}"))
+    assert tagged["correct_answer"] == 1.0 and plain["correct_answer"] == 1.0 and rambling["correct_answer"] == 0.0
+    assert tagged["score"] == pytest.approx(1.0 + 0.2 * tagged["format_reward_func"])
+    assert plain["score"] == pytest.approx(1.0 + 0.2 * plain["format_reward_func"])
