@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 import recipes.chat_agent_grpo
 from frameworks import FRAMEWORKS
 from recipes.chat_agent_grpo import chat_metrics
-from rlcore.agentic.async_router import AsyncSessionRouter
 from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
 from rlcore.engines.async_hf import AsyncHFEngine
 from rlcore.engines.base import RolloutConfig, SamplingSettings

@@ -3,7 +3,6 @@ reasoning-gym and verifiers adapters scoring exactly as the libraries do."""
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
