@@ -217,7 +217,14 @@ def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
     expected, got = comparable_metrics(whole), comparable_metrics(resumed)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]
     for want, have in zip(expected[3:], got[3:]):
-        assert have == want, {k: (want[k], have.get(k)) for k in want if have.get(k) != want[k]}
+        # vLLM's CPU kernels sum in an order that depends on the batch they run in, so the engine-side
+        # log-probs (and only they) may move in the last float32 bits between two processes; the sampled
+        # tokens, rewards and every trainer number must still be exactly equal.
+        engine_numerics = {k for k in want if k.startswith("check/logprob")} if engine == "vllm" else set()
+        for k in engine_numerics:
+            assert have.get(k) == pytest.approx(want[k], abs=1e-6), k
+        exact = {k: v for k, v in want.items() if k not in engine_numerics}
+        assert {k: have.get(k) for k in exact} == exact, {k: (v, have.get(k)) for k, v in exact.items() if have.get(k) != v}
     assert len({r["reward/score/mean"] for r in expected[1:]}) > 1  # sampled: the scores vary from step to step
 
 
