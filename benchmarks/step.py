@@ -11,6 +11,10 @@ The update's padding share is reported before and after packing: of the batch as
 with ``model.use_remove_padding``, the default; compare ``model.use_remove_padding=false``), with the
 share of the valid tokens that packs holding each group's prompt once did not compute
 (``actor/shared_prompt_frac``, ``model.pack_shared_prompts``, the default).
+Per stage it also prints the useful FLOPs done and their share of this machine's matmul peak, measured
+in the same run for the dtype that stage computes in (``benchmarks/machine_limit.py``): MFU for
+generate (each group's prompt once, every response token), update (forward and backward over the
+rows trained) and the reference / old log-prob forwards, the yardstick of what is left to gain.
 Every run reports the peak resident memory (``VmHWM``) of the driver and of each rank's process, read
 at every step's end: what decides whether a setting fits a 24 GB machine.
 
@@ -46,8 +50,11 @@ import time
 from collections import defaultdict
 
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from transformers import AutoConfig
 
 import recipes.grpo
+from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
 from rlcore.single_controller.worker_group import GroupFuture, GroupMethod
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.tracking import read_jsonl_metrics
@@ -102,6 +109,27 @@ class Stopwatch:
             setattr(owner, attr, original)
 
 
+def stage_flops(rows: list[dict], run_config) -> dict[str, float]:
+    """The median step's useful FLOPs per stage, from the logged lengths and the run's config."""
+    shape = ModelShape.from_config(AutoConfig.from_pretrained(run_config.model.path))
+    groups = int(run_config.data.train_batch_size)
+    responses = groups * int(run_config.rollout.get("n", 1))
+    prompt, response = median(rows, "prompt_length/mean"), median(rows, "response_length/mean")
+    trained = median(rows, "actor/trained_rows_frac")
+    trained = 1.0 if trained != trained else trained
+    sampled = shape.sampling_flops(prompt, groups, responses, response)  # one forward over the batch, prompts once
+    return {"gen": sampled, "ref": sampled, "old_log_prob": sampled,
+            "update_actor": trained * shape.training_flops(prompt, groups, responses, response)}
+
+
+def stage_dtypes(run_config) -> dict[str, str]:
+    """The dtype each stage computes in, as the run resolved it (``<run>/config.yaml``)."""
+    train = run_config.model.get("mixed_precision") or "float32"
+    sample = run_config.rollout.get("dtype") or run_config.model.get("dtype") or "float32"
+    return {"gen": "float32" if sample in ("fp32", "float32", "auto") else sample, "ref": train,
+            "old_log_prob": train, "update_actor": train}
+
+
 def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float], dict[str, int]]:
     """``steps`` GRPO steps: the logged metric rows after warm-up, the median seconds per step
     of each wrapped part (plus ``wall``, from one step's end to the next) and the peak RSS of the
@@ -142,6 +170,7 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float],
     rows = [r for r in read_jsonl_metrics(training.dir / "metrics.jsonl") if r["step"] >= 2]
     if not rows:
         raise SystemExit("need --steps >= 2 (the first step is warm-up)")
+    run.config = OmegaConf.load(training.dir / "config.yaml")
     busy = [s.pop("worker compute") for s in watch.per_step]
     for s, before, after in zip(watch.per_step[1:], busy, busy[1:]):
         s["worker compute"] = after - before
@@ -168,16 +197,25 @@ def main() -> None:
     if args.model:
         overrides = ["+preset=smollm2", f"model.path={args.model}", *overrides]
     rows, parts, peaks = run(overrides, steps)
+    dtypes = stage_dtypes(run.config)
+    peak = {d: matmul_peak(d, *((256, 0.2) if args.quick else (2048, 1.5))) for d in sorted(set(dtypes.values()))}
+    flops = stage_flops(rows, run.config)
 
     step_s, wall = median(rows, "timing_s/step"), parts["wall"]
     print(f"\nGRPO step, defaults + {overrides or 'no overrides'}: median over steps 2..{steps}")
-    print(f"{'stage':<16}{'seconds':>9}{'share':>8}{'tokens/s':>11}")
+    print("matmul peak measured now: " + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peak.items()))
+    print(f"{'stage':<16}{'seconds':>9}{'share':>8}{'tokens/s':>11}{'GFLOP':>9}{'of peak':>9}")
     stages = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("timing_s/")} - {"step"})
     table = {}
     for stage in stages + ["step"]:
         seconds, tps = median(rows, f"timing_s/{stage}"), median(rows, f"throughput/{stage}")
         table[stage] = {"seconds": seconds, "share": seconds / step_s, "tokens_per_s": tps}
-        print(f"{stage:<16}{seconds:>9.3f}{seconds / step_s:>8.0%}{tps:>11.0f}")
+        limit = ""
+        if stage in flops and stage in dtypes and seconds == seconds:
+            table[stage].update(flops=flops[stage], mfu=mfu(flops[stage], seconds, peak[dtypes[stage]]),
+                                dtype=dtypes[stage])
+            limit = f"{flops[stage] / 1e9:>9.1f}{table[stage]['mfu']:>9.0%} ({dtypes[stage]})"
+        print(f"{stage:<16}{seconds:>9.3f}{seconds / step_s:>8.0%}{tps:>11.0f}{limit}")
 
     compute = parts.get("worker compute", 0.0)
     fixed = {
@@ -210,7 +248,8 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
                        "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained, "padding_share": padding,
-                       "worker_compute_s": compute, "parts_s": parts, "peak_rss_bytes": peaks}, f, indent=2)
+                       "worker_compute_s": compute, "parts_s": parts, "peak_rss_bytes": peaks,
+                       "matmul_peak_flops": peak}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -34,3 +34,32 @@ def test_quick_mode_runs_and_writes_its_json(module, keys, tmp_path):
     result = json.loads(out.read_text())
     assert keys <= result.keys()
     assert all(result[k] > 0 for k in keys if isinstance(result[k], float))
+
+
+def test_useful_flops_of_smollm2_by_hand():
+    """SmolLM2-135M's shape (hidden 576, 30 layers, MLP 1536, 9 heads of 64, 3 KV heads, 49152 tokens):
+    per layer q, o 576x576, k, v 576x192, MLP 3 x 576x1536; the tied head 576x49152."""
+    from types import SimpleNamespace
+
+    from benchmarks.machine_limit import ModelShape, mfu
+
+    config = SimpleNamespace(hidden_size=576, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=9,
+                             num_key_value_heads=3, vocab_size=49152)
+    shape = ModelShape.from_config(config)
+    per_layer = 2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536
+    assert shape.matmul_params == 30 * per_layer + 576 * 49152 == 134_479_872
+    assert shape.attention_width == 576
+    # 10 tokens attending to 4 positions each: 2 x params + 4 x layers x width x 4 per token
+    assert shape.forward_flops(10, 4.0) == 10 * (2 * 134_479_872 + 4 * 30 * 576 * 4)
+    # 2 groups of a 6-token prompt (prefilled once each), 4 responses of 3 tokens
+    sampled = 2 * shape.forward_flops(6, 3.0) + 4 * shape.forward_flops(3, 6 + 1.5)
+    assert shape.sampling_flops(6, 2, 4, 3) == sampled
+    assert shape.training_flops(6, 2, 4, 3) == 3 * sampled
+    assert mfu(100.0, 2.0, 100.0) == 0.5
+
+
+def test_matmul_peak_is_a_rate_per_dtype():
+    from benchmarks.machine_limit import matmul_peak
+
+    assert matmul_peak("float32", size=64, seconds=0.01) > 0
+    assert matmul_peak("bf16", size=64, seconds=0.01) > 0

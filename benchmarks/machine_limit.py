@@ -1,0 +1,82 @@
+"""How close a stage gets to what this machine can do: its measured matmul peak and the FLOPs of a step.
+
+A ratio to a slow peer says little about what is left; the share of the machine's own limit does.
+Two halves, used by ``benchmarks/grpo_vs_trl.py`` and ``benchmarks/step.py``:
+
+* ``matmul_peak(dtype)``: the best FLOP/s of a large square matmul in that dtype, with the threads
+  this process has, measured now (a few repetitions, best taken: what the machine reaches when
+  nothing else runs). On the 2-core AVX2 EPYC this is ~110-130 GFLOP/s in fp32.
+* ``ModelShape.from_config`` and its ``forward_flops``: the matmul FLOPs of a decoder's forward over
+  some tokens, 2 x (the matmul parameters a token passes through, LM head included) per token plus
+  the attention scores and values, 4 x layers x (heads x head size) per token and position attended.
+  Training is 3 forwards' worth (forward, and a backward twice as costly).
+
+The FLOPs counted are the *useful* work: a group's prompt once (what sampling with a shared prompt
+and packs that hold each prompt once compute), each response token once. A side that computes more
+(a prompt per row, padding) gets no credit for it, so MFU compares work done to the same yardstick.
+Elementwise work (norms, activations, softmax) is left out, as GPU MFU figures leave it out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def matmul_peak(dtype: str, size: int = 2048, seconds: float = 1.5) -> float:
+    """Best FLOP/s of ``size`` x ``size`` matmuls in ``dtype`` over about ``seconds`` (after one warm-up)."""
+    torch_dtype = DTYPES[dtype]
+    a = torch.randn(size, size).to(torch_dtype)
+    b = torch.randn(size, size).to(torch_dtype)
+    torch.mm(a, b)  # warm-up: thread pool, kernel selection
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        start = time.perf_counter()
+        torch.mm(a, b)
+        elapsed = time.perf_counter() - start
+        best = max(best, 2 * size**3 / elapsed)
+        if time.perf_counter() > deadline:
+            return best
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What a token costs in a decoder: matmul parameters passed through, and attention width."""
+
+    matmul_params: int  # per token: q, k, v, o, the MLP's matrices of every layer, and the LM head
+    layers: int
+    attention_width: int  # heads x head size
+
+    @classmethod
+    def from_config(cls, config) -> ModelShape:
+        """From a transformers config of a Llama-like decoder (SmolLM2, Qwen2, the tiny models)."""
+        hidden, layers = config.hidden_size, config.num_hidden_layers
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+        mlp = 3 * hidden * config.intermediate_size  # gate, up, down
+        return cls(layers * (attention + mlp) + hidden * config.vocab_size, layers, heads * head_dim)
+
+    def forward_flops(self, tokens: int, mean_context: float) -> float:
+        """A forward over ``tokens`` tokens that each attend to ``mean_context`` positions on average."""
+        return tokens * (2.0 * self.matmul_params + 4.0 * self.layers * self.attention_width * mean_context)
+
+    def sampling_flops(self, prompt_len: float, groups: int, responses: int, response_len: float) -> float:
+        """Sampling ``groups`` prompts of ``prompt_len`` tokens once each, then ``responses`` responses of
+        ``response_len`` tokens (each token attends to the prompt and the response so far)."""
+        prefill = groups * self.forward_flops(round(prompt_len), prompt_len / 2)
+        return prefill + responses * self.forward_flops(round(response_len), prompt_len + response_len / 2)
+
+    def training_flops(self, prompt_len: float, groups: int, responses: int, response_len: float) -> float:
+        """A forward and backward (3 forwards) over the same tokens, each prompt held once per group."""
+        return 3.0 * self.sampling_flops(prompt_len, groups, responses, response_len)
+
+
+def mfu(flops: float, seconds: float, peak: float) -> float:
+    """The share of the measured peak a stage reached."""
+    return flops / seconds / peak if seconds > 0 and peak > 0 else float("nan")
