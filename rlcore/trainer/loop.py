@@ -66,6 +66,7 @@ from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
 from rlcore.trainer.completion_table import CompletionTable
 from rlcore.trainer.consistency import ConsistencyCheck
+from rlcore.trainer.probe_check import ProbeCheck, model_vocab_size
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
     HF_DIR,
@@ -93,11 +94,20 @@ CONSOLE_KEYS = (
 
 
 def consistency_check(cfg: DictConfig, workers: Workers) -> ConsistencyCheck:
-    """The run's ``trainer.check``; the weights of a hybrid rollout group are compared with the actor's
-    (engine servers are added by their recipe: ``run.check.watch``)."""
+    """The run's ``trainer.check``; the weights of a hybrid rollout group are compared with the actor's,
+    and both score the end-to-end probe (engine servers are added by their recipe: ``run.check.watch``)."""
     rollout, actor = workers.rollout, workers.trained.get("actor")
     engines = rollout.weight_checksums if rollout is not None else None
-    return ConsistencyCheck(read_check_config(cfg), actor, engines)
+    probe = probe_check(cfg, actor, rollout.probe_log_probs) if rollout is not None else None
+    return ConsistencyCheck(read_check_config(cfg), actor, engines, probe=probe)
+
+
+def probe_check(cfg: DictConfig, actor: Any, engines: Callable[[list[int]], list]) -> ProbeCheck | None:
+    """The end-to-end probe (``rlcore.trainer.probe_check``) between ``actor`` and ``engines(ids)``, over
+    the model's vocabulary; None without an actor, or with ``trainer.check.probe=false``."""
+    if actor is None or not read_check_config(cfg).probe:
+        return None
+    return ProbeCheck(actor.probe_log_probs, engines, lambda: model_vocab_size(cfg.model.path))
 
 
 class Stateful(Protocol):
