@@ -209,8 +209,17 @@ class ConsistencyCheck:
         self._said_unreadable = False
 
     def watch(self, engines: Callable[[], list[dict]], probe: ProbeCheck | None = None) -> None:
+        """Compare ``engines`` from now on; a ``probe`` is calibrated here: call it while the engines
+        hold the trainer's weights (before the first update, after a resume's sync)."""
         self.engines = engines
-        self.probe = probe if probe is not None else self.probe
+        if probe is not None:
+            self.probe = probe
+            self.calibrate()
+
+    def calibrate(self) -> None:
+        """The probe's noise with identical weights (``ProbeCheck.calibrate``): its bands follow the run's."""
+        if self.cfg.enable and self.probe is not None:
+            self.probe.calibrate()
 
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
         """After the step's sync: judge it; returns the metrics it adds (``check/weights_*``, ``check/probe_*``)."""

@@ -158,6 +158,7 @@ class TrainingRun:
         # The driver's own process (in-process workers live here too); the device only decides the CUDA settings.
         set_deterministic(t.deterministic, "cuda" if torch.cuda.is_available() else "cpu")
         self.start_step = self._resume()
+        self.check.calibrate()  # the engine holds the trainer's weights now: the probe measures the run's noise
         # Rows logged after the checkpoint (all of them when starting from step 0) are logged again.
         truncate_jsonl_after(self.dir / "metrics.jsonl", self.start_step if self.start_step else -1)
         self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir,

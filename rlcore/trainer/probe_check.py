@@ -34,12 +34,15 @@ from rlcore.engines.weights import layer_of
 
 PROBE_TOKENS = 48
 PROBE_SEED = 39  # the issue that asked for it: a fixed sequence, the same in every run
-# mean |engine - trainer| log-prob per probe token that clean weights stay within. fp32 on both sides:
-# kernels differ in summation order only (measured ~1e-7 on the tiny models, vLLM and HF engines).
-# A low-precision side: the rounding of every activation (measured on the tiny model, bf16 engine vs
-# fp32 trainer, 2e-3). These are starting values: rlcore's band calibration can replace probe_band.
-FP32_BAND = 1e-5
-LOW_PRECISION_BAND = 2e-2
+# The band: the mean |engine - trainer| log-prob per probe token that clean weights stay within.
+# Calibrated: at the start (``ProbeCheck.calibrate``), when engine and trainer hold the same weights
+# by construction, the probe measures this run's own noise (kernels, dtypes, model); the band is
+# CALIBRATION_FACTOR times that, and never below the dtype pair's floor. Measured (2-core CPU):
+# fp32 both sides, tiny qwen3 (vLLM and HF engines) ~1.2e-7; SmolLM2-135M 2.0e-6 (HF engine), 1.1e-5
+# (vLLM); a bf16 HF engine against the fp32 trainer: tiny 1e-3, SmolLM2 0.066.
+CALIBRATION_FACTOR = 5.0
+FP32_FLOOR = 2e-6
+LOW_PRECISION_FLOOR = 2e-2
 LOW = ("bfloat16", "float16")
 
 
@@ -58,9 +61,11 @@ def model_vocab_size(path: str) -> int:
     return int(getattr(config, "vocab_size", None) or config.get_text_config().vocab_size)
 
 
-def probe_band(engine_dtype: str | None, trainer_dtype: str | None) -> float:
-    """The mean |engine - trainer| log-prob per probe token allowed for this pair of dtypes."""
-    return LOW_PRECISION_BAND if engine_dtype in LOW or trainer_dtype in LOW else FP32_BAND
+def probe_band(engine_dtype: str | None, trainer_dtype: str | None, baseline: float | None = None) -> float:
+    """The mean |engine - trainer| log-prob per probe token allowed for this pair of dtypes, given the
+    run's calibrated ``baseline`` (the same measure with identical weights; None: not calibrated)."""
+    floor = LOW_PRECISION_FLOOR if engine_dtype in LOW or trainer_dtype in LOW else FP32_FLOOR
+    return max(floor, CALIBRATION_FACTOR * baseline) if baseline is not None else floor
 
 
 @dataclass
@@ -90,8 +95,9 @@ class ProbeReport:
 
 
 def compare_probe(step: int, trainer: dict[str, Any], engines: Sequence[dict[str, Any]],
-                  band: Callable[[str | None, str | None], float] = probe_band) -> ProbeReport:
-    """``trainer`` and each engine: ``{"log_probs": [...], "dtype": ...}`` for the same ids."""
+                  band: Callable[..., float] = probe_band, baselines: Sequence[float] | None = None) -> ProbeReport:
+    """``trainer`` and each engine: ``{"log_probs": [...], "dtype": ...}`` for the same ids; ``baselines``:
+    each engine's calibrated difference (``ProbeCheck.calibrate``)."""
     ref = torch.tensor(trainer["log_probs"], dtype=torch.float64)
     worst = None
     for i, engine in enumerate(engines):
@@ -99,7 +105,7 @@ def compare_probe(step: int, trainer: dict[str, Any], engines: Sequence[dict[str
         if got.shape != ref.shape:
             raise ValueError(f"engine {i} scored {got.numel()} probe tokens, the trainer {ref.numel()}")
         diff = (got - ref).abs()
-        allowed = band(engine["dtype"], trainer["dtype"])
+        allowed = band(engine["dtype"], trainer["dtype"], baselines[i] if baselines else None)
         report = ProbeReport(step, ref.numel(), float(diff.mean()), float(diff.max()), allowed, i,
                              engine["dtype"], trainer["dtype"])
         if worst is None or report.abs_diff_mean / allowed > worst.abs_diff_mean / worst.band:
@@ -114,7 +120,7 @@ class ProbeCheck:
 
     def __init__(self, trainer: Callable[[list[int]], Any], engines: Callable[[list[int]], list[Any]],
                  vocab_size: int | Callable[[], int], out: Any = None,
-                 band: Callable[[str | None, str | None], float] = probe_band) -> None:
+                 band: Callable[..., float] = probe_band) -> None:
         self.trainer, self.engines, self.band = trainer, engines, band
         self._vocab = vocab_size
         self._ids: list[int] | None = None
@@ -122,6 +128,29 @@ class ProbeCheck:
         self.off: str | None = None
         self.last: ProbeReport | None = None
         self.seconds = 0.0  # the last probe's cost, both sides
+        self.baselines: list[float] | None = None  # each engine's difference with identical weights
+
+    def calibrate(self) -> list[float] | None:
+        """Measure the run's own noise: call it where engine and trainer hold the same weights (before
+        the first update, after a resume's sync). The bands are then ``probe_band(..., baseline)``."""
+        ids = self.ids()
+        engines, trainer = self._replies(ids)
+        if engines is None:
+            return None
+        ref = torch.tensor(trainer["log_probs"], dtype=torch.float64)
+        self.baselines = [float((torch.tensor(e["log_probs"], dtype=torch.float64) - ref).abs().mean()) for e in engines]
+        return self.baselines
+
+    def _replies(self, ids: list[int]) -> tuple[list | None, dict | None]:
+        if self.off is not None:
+            return None, None
+        engines = self.engines(ids)
+        if not engines or any(reply is None for reply in engines):
+            self.off = "the rollout engine cannot score a probe sequence"
+            print(f"consistency check: end-to-end probe off for this run ({self.off})", file=self.out, flush=True)
+            return None, None
+        trainer = self.trainer(ids)
+        return engines, trainer[0] if isinstance(trainer, list) else trainer
 
     def ids(self) -> list[int]:
         if self._ids is None:
@@ -129,18 +158,13 @@ class ProbeCheck:
         return self._ids
 
     def run(self, step: int) -> ProbeReport | None:
-        if self.off is not None:
-            return None
         start = time.perf_counter()
-        ids = self.ids()
-        engines = self.engines(ids)
-        if not engines or any(reply is None for reply in engines):
-            self.off = "the rollout engine cannot score a probe sequence"
-            print(f"consistency check: end-to-end probe off for this run ({self.off})", file=self.out, flush=True)
+        engines, trainer = self._replies(self.ids())
+        if engines is None:
             return None
-        trainer = self.trainer(ids)
-        trainer = trainer[0] if isinstance(trainer, list) else trainer
-        self.last = compare_probe(step, trainer, engines, self.band)
+        if self.baselines is not None and len(self.baselines) != len(engines):
+            raise ValueError(f"the probe was calibrated on {len(self.baselines)} engine(s), now {len(engines)} answer")
+        self.last = compare_probe(step, trainer, engines, self.band, self.baselines)
         self.seconds = time.perf_counter() - start
         return self.last
 

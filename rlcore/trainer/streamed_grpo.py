@@ -76,10 +76,10 @@ def train_on_streamed_episodes(cfg: DictConfig, start_runners: StartRunners, des
     with TrainingRun(cfg, workers, loader, validate_on_engines, state) as run:
         run.on_close(lambda: stop_engine_servers(engines))
         run.on_close(lambda: stop_runners(runners))
-        # the consistency check: the servers' weights, and the end-to-end probe on every server
+        workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
+        # the consistency check: the servers' weights, and the end-to-end probe on every server (calibrated now)
         run.check.watch(lambda: engine_weight_checksums(engines),
                         probe_check(cfg, workers.actor, lambda ids: engine_probe_log_probs(engines, ids)))
-        workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
         pool = RolloutPool(runners, episode_tasks(run), cfg.rollout.n, a.groups_in_flight or groups,
                            max_staleness=a.max_staleness, max_ready=a.max_ready,
                            drop_failed=a.drop_failed_groups).start()
