@@ -11,6 +11,9 @@ measured, in this order (docs/correctness.md, "Consistency check"):
 
 1. weights: tensors whose checksum differs from the trainer's. All of them: the engine was not
    synced; some: a partial sync (a bucket skipped or failed to load), naming the tensors.
+   With them, the end-to-end probe (``rlcore.trainer.probe_check``): a fixed sequence scored by the
+   engine and the trainer; out of its band while the tensors read back match: weights the engine
+   keeps packed (or cannot hand back at all) differ from the trainer's.
 2. one-sided log-probs: the sampler's log-probs above the trainer's (or below) on nearly every
    token by a steady margin: one side scores a top-p/top-k truncated distribution and the other the
    full one ("top-p/top-k log-probs not processed" alike).
