@@ -207,3 +207,25 @@ def test_async_grpo_with_the_sync_removed_is_named_at_step_1(tmp_path, model_dir
     assert rows[0]["check/probe_abs_diff_mean"] > rows[0]["check/probe_band"] and rows[0]["check/weights_covered"] == 1.0
     err = capfd.readouterr().err
     assert "WARNING consistency check, step 1:" in err and "weights not synced" in err
+
+
+def test_async_hf_engine_scores_the_probe_as_the_trainer_does(model_dir):
+    """The engine servers' HF engine: its probe equals the fp32 actor's to fp32 noise."""
+    import asyncio
+
+    from rlcore.engines import RolloutConfig
+    from rlcore.engines.async_hf import AsyncHFEngine
+    from rlcore.models.config import ModelConfig
+
+    ids = probe_ids(model_vocab_size(model_dir))
+    engine = AsyncHFEngine(ModelConfig(path=model_dir), RolloutConfig(max_new_tokens=4))
+    try:
+        reply = asyncio.run(engine.probe_log_probs(ids))
+    finally:
+        asyncio.run(engine.close())
+    actor = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, {"model": {"path": model_dir, "mixed_precision": None}}))
+    actor.init_model()
+    trainer = actor.probe_log_probs(ids)[0]
+    assert reply["dtype"] == trainer["dtype"] == "float32" and len(reply["log_probs"]) == len(ids) - 1
+    assert max(abs(a - b) for a, b in zip(reply["log_probs"], trainer["log_probs"])) < 1e-5
+    assert min(reply["log_probs"]) < -1.0  # real log-probs of random tokens, not zeros
