@@ -293,7 +293,15 @@ class ActorWorker(FSDPTrainWorker):
         data = DataProto.from_dict({"input_ids": x, "attention_mask": torch.ones_like(x),
                                     "position_ids": torch.arange(x.shape[1])[None], "responses": x[:, 1:]})
         dtype = self.compute_dtype or str(next(self.module.parameters()).dtype).removeprefix("torch.")
-        return {"log_probs": self._infer(data)["log_prob"][0].float().cpu().tolist(), "dtype": dtype}
+        replay = self.moe.replay if self.moe is not None else None
+        if replay is not None:  # no sampled routing to replay: the probe routes as the model does, like the engine
+            saved, self.moe.replay = replay.routed, None
+            replay.set(None)
+        try:
+            return {"log_probs": self._infer(data)["log_prob"][0].float().cpu().tolist(), "dtype": dtype}
+        finally:
+            if replay is not None:
+                self.moe.replay, replay.routed = replay, saved
 
     def engine_weights(self, named):
         """A LoRA actor's entries merged into the base model's (``merge_lora_tensors``); a plain one's as they are."""

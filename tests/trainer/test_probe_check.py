@@ -229,3 +229,21 @@ def test_async_hf_engine_scores_the_probe_as_the_trainer_does(model_dir):
     assert reply["dtype"] == trainer["dtype"] == "float32" and len(reply["log_probs"]) == len(ids) - 1
     assert max(abs(a - b) for a, b in zip(reply["log_probs"], trainer["log_probs"])) < 1e-5
     assert min(reply["log_probs"]) < -1.0  # real log-probs of random tokens, not zeros
+
+
+def test_moe_actor_with_router_replay_scores_the_probe_by_its_own_routing(tmp_path):
+    """No sampled routing exists for the probe: the actor routes it itself, as the engine does."""
+    from rlcore.engines import RolloutConfig
+    from rlcore.engines.hf_engine import HFEngine
+    from rlcore.models.config import ModelConfig
+    from rlcore.trainer.probe_check import compare_probe
+
+    moe_dir = build_tiny_model(tmp_path, arch="qwen3_moe", seed=0)
+    ids = probe_ids(model_vocab_size(moe_dir))
+    actor = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, {"model": {"path": moe_dir, "mixed_precision": None},
+                                                             "actor": {"router_replay": True}}))
+    actor.init_model()
+    report = compare_probe(1, actor.probe_log_probs(ids)[0], [HFEngine(ModelConfig(path=moe_dir), RolloutConfig())
+                                                              .probe_log_probs(ids)])
+    assert report.ok and report.abs_diff_mean < FP32_FLOOR / 5
+    assert actor.worker().moe.replay is not None  # the update's replay is back in place
