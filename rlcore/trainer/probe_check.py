@@ -12,7 +12,8 @@ per token is judged against ``probe_band`` for the pair of dtypes.
 What it sees: a difference anywhere on the forward path of the probe's tokens (every dense weight;
 only the probe's own rows of the embedding, and, in an MoE model, only the experts its tokens are
 routed to). Measured (docs/correctness.md, "End-to-end probe"): on the tiny qwen3 in fp32 the clean
-vLLM-vs-trainer difference is ~1e-7 per token; one optimizer step at lr 1e-5 moves it ~1e-3.
+vLLM-vs-trainer difference is ~1e-7 per token; an engine left one GRPO step behind (lr 1e-5) is
+8e-4 away, at lr 1e-6 8e-5 (SmolLM2-135M: clean 2e-6..1e-5, one step at lr 1e-6 9e-4).
 
 ``check/weights_covered``: the share of the trainer's parameter elements the check verifies this
 step, read back (``check/weights_read_back``) or, for the tensors the engine cannot hand back, through
@@ -44,6 +45,7 @@ CALIBRATION_FACTOR = 5.0
 FP32_FLOOR = 2e-6
 LOW_PRECISION_FLOOR = 2e-2
 LOW = ("bfloat16", "float16")
+SUSPECT_CALIBRATION = 50.0  # a calibration this many times the floor: the weights were likely not the same
 
 
 def probe_ids(vocab_size: int, length: int = PROBE_TOKENS, seed: int = PROBE_SEED) -> list[int]:
@@ -139,6 +141,13 @@ class ProbeCheck:
             return None
         ref = torch.tensor(trainer["log_probs"], dtype=torch.float64)
         self.baselines = [float((torch.tensor(e["log_probs"], dtype=torch.float64) - ref).abs().mean()) for e in engines]
+        for i, (engine, base) in enumerate(zip(engines, self.baselines)):
+            floor = self.band(engine["dtype"], trainer["dtype"], None)
+            if base > SUSPECT_CALIBRATION * floor:  # the noise floor it sets would hide real faults: say so
+                print(f"consistency check: the probe's calibration found engine {i} {base:.3g} nats per token from "
+                      f"the trainer where both should hold the same weights ({SUSPECT_CALIBRATION:g}x the "
+                      f"{engine['dtype']}/{trainer['dtype']} floor): was the engine synced before the run started? "
+                      "Its probe band is that wide from now on", file=self.out, flush=True)
         return self.baselines
 
     def _replies(self, ids: list[int]) -> tuple[list | None, dict | None]:

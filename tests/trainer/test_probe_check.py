@@ -110,6 +110,19 @@ def test_probe_ids_are_fixed_and_bands_know_the_dtypes():
     assert coverage(None, [], probed=True)["check/weights_covered"] == 1.0
 
 
+def test_a_calibration_on_different_weights_is_said():
+    """Calibration assumes identical weights; an engine far off at the start widens the band: said."""
+    out = io.StringIO()
+    trainer = {"log_probs": [-1.0] * 47, "dtype": "float32"}
+    probe = ProbeCheck(lambda ids: trainer, lambda ids: [{"log_probs": [-1.01] * 47, "dtype": "float32"}], 100, out)
+    assert probe.calibrate() == [pytest.approx(0.01)]
+    assert "was the engine synced before the run started" in out.getvalue()
+    quiet = io.StringIO()
+    ProbeCheck(lambda ids: trainer, lambda ids: [{"log_probs": [-1.0 - 1e-7] * 47, "dtype": "float32"}], 100,
+               quiet).calibrate()
+    assert quiet.getvalue() == ""
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 class TestPackedVLLM:
