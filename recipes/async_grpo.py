@@ -32,7 +32,7 @@ from rlcore.trainer.advantage import build_kl_controller, compute_advantage, com
 from rlcore.trainer.builder import build_data, build_rollout_group, build_workers
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.consistency import stamp_row_versions
-from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.loop import TrainingRun, probe_check
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
 from rlcore.trainer.verl_compat import translate_sys_argv
 from rlcore.trainer.warmstart import warm_start
@@ -70,6 +70,10 @@ def train(cfg: DictConfig) -> TrainingRun:
         run.on_close(engine.shutdown)
         loop = AsyncRolloutLoop(engine.rollout, prompts, buffer, version=run.start_step).start()
         run.on_close(loop.stop)
+        # the consistency check reads the engine between two generations, after each publish: its weights
+        # and the end-to-end probe, like the other recipes' engines (the engine lags the trainer 0 versions)
+        run.check.watch(loop.between_generations(engine.rollout.weight_checksums),
+                        probe_check(cfg, workers.actor, loop.between_generations(engine.rollout.probe_log_probs)))
         for step in run.steps():
             with run.timer("wait_rollout"):
                 batch = loop.pop_batch(rows, timeout=cfg.replay.pop_timeout_s)
@@ -90,6 +94,7 @@ def train(cfg: DictConfig) -> TrainingRun:
                 metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))
             with run.timer("sync_weights"):
                 loop.publish_weights(workers.actor.get_full_state_dict.options(blocking=False)(), version=step)
+            metrics["check/engine_lag"] = float(step - loop.version)  # versions the engine is behind: 0 after a publish
             metrics.update({"replay/staleness_mean": float(np.mean(staleness)),
                             "replay/dropped_stale": buffer.num_dropped_stale, **loop.rollout_metrics})
             run.end_step(step, {**metrics, **batch_metrics(batch)}, batch)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -234,6 +234,16 @@ class AsyncRolloutLoop:
         """Hold the producer between two generations, e.g. to validate on the same engine."""
         with self._weights_lock:
             yield
+
+    def between_generations(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """``call`` made to wait for the generation in flight and hold the producer while it runs (the
+        consistency check reads the engine's weights and scores its probe so)."""
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            with self.paused():
+                return call(*args, **kwargs)
+
+        return held
 
     def publish_weights(self, state_dict: Any, version: int) -> None:
         """Load new policy weights into the rollout (after the generation in flight) as ``version``.

@@ -45,6 +45,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from rlcore.engines.base import SamplingSettings
 from rlcore.engines.weights import WeightBucket
@@ -151,6 +152,10 @@ class AsyncEngine(ABC):
     async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]] | None:
         """As ``Engine.weight_checksums``: the weights this engine samples with, for the consistency
         check; None where it cannot report them."""
+        return None
+
+    async def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any] | None:
+        """As ``Engine.probe_log_probs``: the consistency check's end-to-end probe; None where it cannot."""
         return None
 
     async def close(self) -> None:

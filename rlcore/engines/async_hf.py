@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -394,6 +395,11 @@ class AsyncHFEngine(AsyncEngine):
         if self._update is not None:
             raise RuntimeError("weight_checksums during a weight update")
         return await asyncio.to_thread(self.engine.weight_checksums)
+
+    async def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any]:
+        if self._update is not None:
+            raise RuntimeError("probe_log_probs during a weight update")
+        return await asyncio.to_thread(self.engine.probe_log_probs, ids)
 
     async def close(self) -> None:
         with self._cond:

@@ -34,6 +34,7 @@ import os
 import tempfile
 import time
 import uuid
+from typing import Any
 from collections.abc import AsyncIterator, Hashable, Sequence
 
 import torch
@@ -41,6 +42,7 @@ import torch
 from rlcore.engines.async_base import AsyncEngine, Completion, TokenChunk
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.engines.dtype_choice import default_vllm_dtype
+from rlcore.engines.probe import vllm_probe_params, vllm_probe_reply
 from rlcore.engines.vllm_logs import quiet_vllm_logs
 from rlcore.engines.weights import WeightBucket
 from rlcore.models.config import ModelConfig, torch_dtype
@@ -211,6 +213,18 @@ class AsyncVLLMEngine(AsyncEngine):
         if self._update is not None:
             raise RuntimeError("weight_checksums during a weight update")
         return (await self.llm.collective_rpc("weight_checksums"))[0]
+
+    async def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any]:
+        """The prompt's log-probs from the engine's own kernels (``rlcore.engines.probe``)."""
+        from vllm.inputs import TokensPrompt  # optional dependency (see __init__)
+
+        if self._update is not None:
+            raise RuntimeError("probe_log_probs during a weight update")
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(ids)), vllm_probe_params(),
+                                           f"{self._id_prefix}-probe-{next(self._ids)}"):
+            final = out
+        return vllm_probe_reply(final, ids, str(torch_dtype(self.dtype, "rollout.dtype")).removeprefix("torch."))
 
     async def close(self) -> None:
         llm, self.llm = self.llm, None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numbers
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,6 +228,12 @@ class Engine(ABC):
         an entry None for a tensor the engine keeps in a form it cannot read back (a packed CPU matmul
         kernel: counted, not compared); None from an engine that cannot read its weights back under
         the trainer's names."""
+        return None
+
+    def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any] | None:
+        """The consistency check's end-to-end probe (``rlcore.engines.probe``): ``{"log_probs":
+        [log p(ids[i] | ids[:i]) for i >= 1], "dtype": ...}`` from the weights this engine samples
+        with; None from an engine that cannot score a sequence."""
         return None
 
 

@@ -20,7 +20,8 @@ way a colocated actor's RNG state is neither consumed nor reset by rollouts.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import (
@@ -38,6 +39,7 @@ from transformers import (
 
 from rlcore.algos.consistency import tensor_checksum
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
+from rlcore.engines.probe import hf_probe_log_probs
 from rlcore.engines.routing import assemble_hf_routing
 from rlcore.engines.seeding import CallSeeds
 from rlcore.models.config import ModelConfig, torch_dtype
@@ -227,6 +229,9 @@ class HFEngine(Engine):
     def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
         return {name: (str(t.dtype).removeprefix("torch."), *tensor_checksum(t))
                 for name, t in self.model.state_dict().items()}
+
+    def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any]:
+        return hf_probe_log_probs(self.model, ids, self.device)
 
     @torch.no_grad()
     def load_partial(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

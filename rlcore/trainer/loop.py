@@ -66,6 +66,7 @@ from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
 from rlcore.trainer.completion_table import CompletionTable
 from rlcore.trainer.consistency import ConsistencyCheck
+from rlcore.trainer.probe_check import ProbeCheck, model_vocab_size
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
     HF_DIR,
@@ -93,11 +94,20 @@ CONSOLE_KEYS = (
 
 
 def consistency_check(cfg: DictConfig, workers: Workers) -> ConsistencyCheck:
-    """The run's ``trainer.check``; the weights of a hybrid rollout group are compared with the actor's
-    (engine servers are added by their recipe: ``run.check.watch``)."""
+    """The run's ``trainer.check``; the weights of a hybrid rollout group are compared with the actor's,
+    and both score the end-to-end probe (engine servers are added by their recipe: ``run.check.watch``)."""
     rollout, actor = workers.rollout, workers.trained.get("actor")
     engines = rollout.weight_checksums if rollout is not None else None
-    return ConsistencyCheck(read_check_config(cfg), actor, engines)
+    probe = probe_check(cfg, actor, rollout.probe_log_probs) if rollout is not None else None
+    return ConsistencyCheck(read_check_config(cfg), actor, engines, probe=probe)
+
+
+def probe_check(cfg: DictConfig, actor: Any, engines: Callable[[list[int]], list]) -> ProbeCheck | None:
+    """The end-to-end probe (``rlcore.trainer.probe_check``) between ``actor`` and ``engines(ids)``, over
+    the model's vocabulary; None without an actor, or with ``trainer.check.probe=false``."""
+    if actor is None or not read_check_config(cfg).probe:
+        return None
+    return ProbeCheck(actor.probe_log_probs, engines, lambda: model_vocab_size(cfg.model.path))
 
 
 class Stateful(Protocol):
@@ -148,6 +158,7 @@ class TrainingRun:
         # The driver's own process (in-process workers live here too); the device only decides the CUDA settings.
         set_deterministic(t.deterministic, "cuda" if torch.cuda.is_available() else "cpu")
         self.start_step = self._resume()
+        self.check.calibrate()  # the engine holds the trainer's weights now: the probe measures the run's noise
         # Rows logged after the checkpoint (all of them when starting from step 0) are logged again.
         truncate_jsonl_after(self.dir / "metrics.jsonl", self.start_step if self.start_step else -1)
         self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir,

@@ -28,6 +28,7 @@ from rlcore.agentic.runner import generate_prompts, stop_runners
 from rlcore.engines import RolloutConfig, SamplingSettings
 from rlcore.engines.server import (
     engine_idle_metrics,
+    engine_probe_log_probs,
     engine_weight_checksums,
     start_engine_servers,
     stop_engine_servers,
@@ -36,7 +37,7 @@ from rlcore.models import ModelConfig
 from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers, init_ray
-from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.loop import TrainingRun, probe_check
 from rlcore.trainer.progress import phase
 from rlcore.trainer.tasks import episode_tasks
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
@@ -75,8 +76,10 @@ def train_on_streamed_episodes(cfg: DictConfig, start_runners: StartRunners, des
     with TrainingRun(cfg, workers, loader, validate_on_engines, state) as run:
         run.on_close(lambda: stop_engine_servers(engines))
         run.on_close(lambda: stop_runners(runners))
-        run.check.watch(lambda: engine_weight_checksums(engines))  # the consistency check's weight comparison
         workers.actor.push_weights(engines, run.start_step, bucket_bytes)  # the resumed weights, if any
+        # the consistency check: the servers' weights, and the end-to-end probe on every server (calibrated now)
+        run.check.watch(lambda: engine_weight_checksums(engines),
+                        probe_check(cfg, workers.actor, lambda ids: engine_probe_log_probs(engines, ids)))
         pool = RolloutPool(runners, episode_tasks(run), cfg.rollout.n, a.groups_in_flight or groups,
                            max_staleness=a.max_staleness, max_ready=a.max_ready,
                            drop_failed=a.drop_failed_groups).start()

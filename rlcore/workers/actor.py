@@ -284,6 +284,25 @@ class ActorWorker(FSDPTrainWorker):
         dtype = self.compute_dtype or str(next(self.module.parameters()).dtype).removeprefix("torch.")
         return {"tensors": weight_checksums(self.engine_weights(tensors), dtypes), "dtype": dtype}
 
+    @register(Dispatch.ONE_TO_ALL)
+    def probe_log_probs(self, ids: list[int]) -> dict[str, Any]:
+        """The consistency check's probe (``rlcore.trainer.probe_check``): ``ids`` scored as a response
+        to its first token, through the same forward the update scores with (a LoRA actor's adapters
+        on), and ``"dtype"``, the one it computes in. Every rank runs it (FSDP gathers); all answer alike."""
+        x = torch.tensor([list(ids)], dtype=torch.long)
+        data = DataProto.from_dict({"input_ids": x, "attention_mask": torch.ones_like(x),
+                                    "position_ids": torch.arange(x.shape[1])[None], "responses": x[:, 1:]})
+        dtype = self.compute_dtype or str(next(self.module.parameters()).dtype).removeprefix("torch.")
+        replay = self.moe.replay if self.moe is not None else None
+        if replay is not None:  # no sampled routing to replay: the probe routes as the model does, like the engine
+            saved, self.moe.replay = replay.routed, None
+            replay.set(None)
+        try:
+            return {"log_probs": self._infer(data)["log_prob"][0].float().cpu().tolist(), "dtype": dtype}
+        finally:
+            if replay is not None:
+                self.moe.replay, replay.routed = replay, saved
+
     def engine_weights(self, named):
         """A LoRA actor's entries merged into the base model's (``merge_lora_tensors``); a plain one's as they are."""
         return merge_lora_tensors(named, lora_scaling(self.train_cfg.lora)) if self.lora else named

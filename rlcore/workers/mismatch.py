@@ -36,6 +36,7 @@ class CheckConfig:
     max_out_of_band: float = 0.01  # share of (current-version) tokens that may leave ratio_band before the run warns
     max_abs_diff_mean: float = 1e-4  # mean |trainer - sampler| log-prob of those tokens allowed before the run warns
     weight_checksum_freq: int = 10  # compare engine and trainer weights every N steps (and at step 1); 0: never
+    probe: bool = True  # with each weight comparison, engine and trainer score a fixed sequence (rlcore.trainer.probe_check)
     strict: bool = False  # true: a measure out of its band stops the run (ConsistencyError) instead of warning once
 
     def __post_init__(self) -> None:

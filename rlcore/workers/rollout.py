@@ -179,6 +179,11 @@ class RolloutWorker(Worker):
         """This rank's engine's ``Engine.weight_checksums`` (the consistency check compares them with the actor's)."""
         return self._require_engine().weight_checksums()
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def probe_log_probs(self, ids: list[int]) -> dict[str, Any] | None:
+        """This rank's engine's ``Engine.probe_log_probs`` (the consistency check's end-to-end probe)."""
+        return self._require_engine().probe_log_probs(ids)
+
     def _require_engine(self) -> Engine:
         if self.engine is None:
             raise RuntimeError("the rollout engine is not built yet: call init_model() first")
