@@ -83,7 +83,7 @@ from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: 
 from rlcore.trainer.stop_signal import RunStopped, StopSignals
 from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
-from rlcore.trainer.trajectories import TRAJECTORY_DIR, TrajectoryWriter
+from rlcore.trainer.trajectories import TRAINER_LOG_PROB_KEYS, TRAJECTORY_DIR, TrajectoryWriter
 from rlcore.trainer.verdicts import VerdictLog, judged
 from rlcore.trainer.watchdog import Watchdog
 from rlcore.workers.mismatch import read_check_config
@@ -210,7 +210,7 @@ class TrainingRun:
             with self.timer("save_checkpoint"):
                 self.save(step)
         start = time.perf_counter()
-        self.trajectories.write(step, batch)
+        self.trajectories.write(step, batch, self.sampled_log_probs(batch))
         self.completions.log(step, batch)  # every trainer.completion_table.every steps
         out["timing_s/trajectories"] = time.perf_counter() - start  # timed apart: no "throughput/" key for it
         with self.timer("check"):
@@ -227,6 +227,14 @@ class TrainingRun:
             out["throughput/step"] = tokens / out["timing_s/step"]
         self.tracker.log(out, step=step)
         self._stop_if_asked(step)
+
+    def sampled_log_probs(self, batch: DataProto | None) -> list[dict] | None:
+        """The trainer's log-probs of the trajectory sample's rows from a single-step update's own
+        forward (``rlcore.workers.sampled_rows``), when the sample is on and the batch has none of its own."""
+        actor = self.workers.trained.get("actor")
+        if actor is None or not self.trajectories.wants(batch) or any(k in batch.batch.keys() for k in TRAINER_LOG_PROB_KEYS):
+            return None
+        return [row for rank in actor.take_sampled_log_probs() for row in rank]
 
     def _stop_if_asked(self, step: int) -> None:
         """After a stop signal (``rlcore.trainer.stop_signal``): checkpoint ``step``, the last finished one
