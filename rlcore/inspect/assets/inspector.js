@@ -132,10 +132,17 @@
     if (y0 === y1) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
     const X = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
     const Y = (y) => T + (1 - (f(y) - y0) / (y1 - y0)) * (H - T - B);  // y: a value, on the chart's scale
-    const ticks = log ? log.ticks(y0, y1) : [0, 0.5, 1].map((g) => y0 + g * (y1 - y0));
+    let ticks = log ? log.ticks(y0, y1) : [0, 0.5, 1].map((g) => y0 + g * (y1 - y0));
+    if (log) {  // labels at least 11 units apart, the lowest first
+      const kept = [];
+      for (const y of ticks) if (!kept.length || Math.abs(Y(y) - Y(kept[kept.length - 1])) >= 11) kept.push(y);
+      ticks = kept;
+    }
+    const label = (y) => log && y !== 0 && (Math.abs(y) < 1e-3 || Math.abs(y) >= 1e4)
+      ? `${y < 0 ? "-" : ""}1e${Math.round(Math.log10(Math.abs(y)))}` : fmt(y, 3);
     for (const y of ticks) {
       root.append(svg("line", { class: "gridline", x1: L, x2: W - R, y1: Y(y), y2: Y(y) }));
-      root.append(svg("text", { x: L - 3, y: Y(y) + 3, "text-anchor": "end" }, document.createTextNode(fmt(y, 3))));
+      root.append(svg("text", { x: L - 3, y: Y(y) + 3, "text-anchor": "end" }, document.createTextNode(label(y))));
     }
     for (const [step, causes] of warnedAt) {  // the check warned at this step: a red mark across the chart
       if (step < x0 || step > x1) continue;
