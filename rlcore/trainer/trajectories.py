@@ -53,13 +53,21 @@ def kept_log_probs(rows: Sequence[dict] | None) -> KeptLogProbs:
 
 
 def sample_rows(uids: Sequence[Any], groups: int, kept: KeptLogProbs) -> list[int]:
-    """The rows of the step's sample: ``groups`` groups evenly spread (``pick_groups``), among those
-    the actor kept the trainer's log-probs of when it kept any (a single-step update's sample)."""
-    among = list(range(len(uids)))
-    if kept:
-        with_trainer = {uid for uid, _ in kept}
-        among = [i for i in among if str(uids[i]) in with_trainer] or among
-    return [among[j] for group in pick_groups([uids[i] for i in among], groups) for j in group]
+    """The rows of the step's sample: ``groups`` groups evenly spread (``pick_groups``). When the actor
+    kept the trainer's log-probs of some (a single-step update), those groups first, then others
+    up to ``groups`` (rows the update skipped have none: ``actor.skip_zero_advantage_rows``)."""
+    def spread(among: list[int], n: int) -> list[int]:
+        if n <= 0 or not among:
+            return []
+        return [among[j] for group in pick_groups([uids[i] for i in among], n) for j in group]
+
+    if not kept:
+        return spread(list(range(len(uids))), groups)
+    with_trainer = {uid for uid, _ in kept}
+    have = [i for i in range(len(uids)) if str(uids[i]) in with_trainer]
+    first = spread(have, groups)
+    rest = [i for i in range(len(uids)) if str(uids[i]) not in with_trainer]
+    return sorted(first + spread(rest, groups - len({str(uids[i]) for i in first})))
 
 
 def segments(mask: Sequence[int], versions: Sequence[int] | None) -> list[list]:

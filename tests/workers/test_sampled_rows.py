@@ -60,5 +60,7 @@ def test_the_driver_picks_among_the_kept_rows_and_matches_them_by_uid_and_tokens
     kept = kept_log_probs([row for rank in ranks for row in rank])
     assert sample_rows(uids, 2, kept) == [2, 3, 6, 7]  # the groups with the trainer's log-probs
     assert sample_rows(uids, 1, kept) == [2, 3]
+    assert sample_rows(uids, 3, kept) == [0, 1, 2, 3, 6, 7]  # then others (rows the update skipped), in batch order
+    assert sample_rows(uids, 9, kept) == list(range(8))
     assert sample_rows(uids, 2, {}) == [0, 1, 6, 7]  # none kept: the first and the last group, as before
     assert kept[("1", (5, 6))] == [-0.5, -0.25] and ("1", (5, 7)) not in kept
