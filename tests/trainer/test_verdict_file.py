@@ -7,7 +7,7 @@ per step with the numbers metrics.jsonl logged; a bf16 engine beside an fp32 tra
 fault of tests/trainer/test_consistency_faults.py) writes the warning and a "dtype" verdict at step 1;
 a run resumed from an earlier checkpoint keeps the rows up to it and writes the steps it redoes
 once. The trajectory sample of a default (one optimizer step) run carries the trainer's log-probs,
-checked against a plain HF forward of the starting model."""
+checked against a plain HF forward of the starting model; the async recipe's likewise."""
 
 import io
 import json
@@ -19,6 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import AutoModelForCausalLM
 
+import recipes.async_grpo
 import recipes.grpo
 from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.consistency import ConsistencyCheck, ConsistencyError, WeightReport
@@ -89,10 +90,16 @@ def test_the_check_keeps_every_warning_names_tensors_and_strict_writes_first(tmp
 
 
 # ------------------------------------------------------------------ real runs
-def train(tmp: Path, *overrides: str):
-    model = tmp.parent / "model"
+def tiny_model(folder: Path) -> Path:
+    """The runs' model, built by the first run that needs it."""
+    model = folder / "model"
     if not model.is_dir():
         build_tiny_model(model, hidden_size=64, num_heads=2, num_kv_heads=1)
+    return model
+
+
+def train(tmp: Path, *overrides: str):
+    model = tiny_model(tmp.parent)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         cfg = compose("grpo", overrides=[f"trainer.output_dir={tmp}", f"model.path={model}", *RUN, *overrides])
     return recipes.grpo.train(cfg)
@@ -108,6 +115,7 @@ def clean_run(runs) -> Path:
     return train(runs / "clean", "trainer.total_steps=2", "trainer.save_freq=1", f"reward.reward_fn={DIGIT_REWARD}").dir
 
 
+@pytest.mark.slow  # a recipe run
 def test_clean_run_writes_an_ok_verdict_per_step_with_its_numbers(clean_run):
     got = rows(clean_run)
     assert [(r["step"], r["kind"], r["cause"]) for r in got] == [(1, "verdict", "ok"), (2, "verdict", "ok")]
@@ -119,6 +127,7 @@ def test_clean_run_writes_an_ok_verdict_per_step_with_its_numbers(clean_run):
     assert "check/weights_checked" not in got[1]["numbers"]
 
 
+@pytest.mark.slow  # a recipe run
 def test_resumed_run_keeps_earlier_rows_and_redoes_later_steps_once(clean_run, runs):
     folder = runs / "resumed"
     shutil.copytree(clean_run.parent.parent, folder)
@@ -133,6 +142,7 @@ def test_resumed_run_keeps_earlier_rows_and_redoes_later_steps_once(clean_run, r
     assert (run_dir / CHECK_FILE).read_text().splitlines()[0] == first  # kept as it was
 
 
+@pytest.mark.slow  # a recipe run
 def test_bf16_engine_is_kept_as_a_warning_and_a_dtype_verdict(runs):
     """A planted fault (test_consistency_faults' (b)): a bf16 engine beside an fp32 trainer."""
     run = train(runs / "bf16", "trainer.total_steps=1", "rollout.dtype=bfloat16", "model.mixed_precision=null")
@@ -143,6 +153,7 @@ def test_bf16_engine_is_kept_as_a_warning_and_a_dtype_verdict(runs):
     assert got[0]["numbers"]["check/logprob_abs_diff_mean"] == got[1]["numbers"]["check/logprob_abs_diff_mean"]
 
 
+@pytest.mark.slow  # a recipe run
 def test_single_step_run_samples_the_trainers_log_probs_of_its_first_forward(clean_run):
     """Default GRPO (one optimizer step, no old_log_probs in the batch): every sampled response has the
     trainer's log-probs, and at step 1 they are the starting model's, as a plain HF forward scores them."""
@@ -166,3 +177,22 @@ def test_single_step_run_samples_the_trainers_log_probs_of_its_first_forward(cle
     # comparison above tells the forward before the optimizer step from one after it
     moved = max(abs(a - b) for r in sample[2] for a, b in zip(r["trainer_logprob"], starting_model(r)))
     assert moved > 1e-3
+
+
+@pytest.mark.slow  # a recipe run
+def test_async_grpo_keeps_verdicts_and_samples_the_trainers_log_probs(runs):
+    """The async recipe (rows sampled by older policies, one optimizer step per batch) writes a verdict
+    per step, and its sample has the trainer's log-probs too."""
+    model = tiny_model(runs)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = compose("async_grpo", overrides=[
+            f"trainer.output_dir={runs / 'async'}", f"model.path={model}", "trainer.backend=local", "trainer.loggers=[jsonl]",
+            "model.mixed_precision=null", "trainer.total_steps=2", "trainer.val_freq=0", "trainer.export_hf=false",
+            "data.train_batch_size=2", "data.arithmetic.n_train=8", "rollout.n=2", "rollout.max_new_tokens=3",
+            "actor.ppo_micro_batch_size_per_gpu=4", "trainer.trajectory_groups=1"])
+    run = recipes.async_grpo.train(cfg).dir
+    assert [(r["step"], r["kind"]) for r in rows(run)] == [(1, "verdict"), (2, "verdict")]
+    for step in (1, 2):
+        records = [json.loads(line) for line in (run / "trajectories" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        assert records and all(r["trainer_logprob"] is not None and len(r["trainer_logprob"]) == r["length"]
+                               for r in records)
