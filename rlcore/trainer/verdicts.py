@@ -11,7 +11,7 @@ that warned. Rows::
     {"step": 1, "kind": "info", "cause": "weights_unreadable", "message": "...", "numbers": {}, "tensors": [...]}
 
 kind ``verdict``: one per judged step (a step whose update scored sampled tokens), ``cause`` "ok" or
-the step's likely cause (``rlcore.trainer.consistency.diagnose``'s keys); ``warning``: each time a
+the step's likely cause (``rlcore.trainer.consistency.diagnose``'s keys) with its warning's message; ``warning``: each time a
 measure leaves its band (every step it happens, while stderr says it once per cause); ``info``: the
 check's once-said notes (weight checksums off, tensors that cannot be read back).
 
@@ -90,7 +90,7 @@ class VerdictLog:
         self.path = Path(folder) / CHECK_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
         drop_rows_after(self.path, start_step if start_step > 0 else -1)
-        self._causes: dict[int, str] = {}  # step -> the cause of its last warning, until its verdict
+        self._causes: dict[int, tuple[str, str]] = {}  # step -> its last warning's (cause, message), until its verdict
         self._numbers: tuple[int, dict] = (-1, {})  # the step being judged and its check/* numbers
 
     def write(self, step: int, kind: str, cause: str, message: str = "", numbers: Mapping[str, Any] | None = None,
@@ -111,7 +111,7 @@ class VerdictLog:
     # the consistency check's hook
     def warning(self, step: int, cause: str, message: str, tensors: Sequence[str] = ()) -> None:
         """A measure out of its band at ``step``; written at once (a strict run raises right after)."""
-        self._causes[step] = cause
+        self._causes[step] = (cause, message)
         numbers = self._numbers[1] if self._numbers[0] == step else {}
         self.write(step, "warning", cause, message, numbers, tensors)
 
@@ -124,8 +124,7 @@ class VerdictLog:
         self._numbers = (step, check_numbers(metrics))
 
     def verdict(self, step: int, metrics: Mapping[str, Any]) -> dict:
-        """The step's verdict row: the cause of its last warning, else "ok"; with the step's check/*
-        numbers (those the check added, e.g. check/weights_*, included)."""
-        numbers = check_numbers(metrics)
-        cause = self._causes.pop(step, OK)
-        return self.write(step, "verdict", cause, "" if cause == OK else "see this step's warning row", numbers)
+        """The step's verdict row: the cause and message of its last warning, else "ok"; with the step's
+        check/* numbers (those the check added, e.g. check/weights_*, included)."""
+        cause, message = self._causes.pop(step, (OK, ""))
+        return self.write(step, "verdict", cause, message, check_numbers(metrics))

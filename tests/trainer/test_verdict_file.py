@@ -49,7 +49,7 @@ def test_rows_are_whole_lines_and_resume_drops_later_steps(tmp_path):
     got = rows(tmp_path)
     assert got[0] == {"step": 1, "kind": "warning", "cause": "dtype", "message": "engine bf16",
                       "numbers": {"check/tokens": 10.0, "check/logprob_abs_diff_mean": None}, "tensors": ["a.weight"]}
-    assert got[1]["kind"] == "verdict" and got[1]["cause"] == "dtype"
+    assert (got[1]["kind"], got[1]["cause"], got[1]["message"]) == ("verdict", "dtype", "engine bf16")
     assert got[1]["numbers"] == {"check/tokens": 10.0, "check/weights_checked": 21.0}  # check/* only
     assert [(r["step"], r["kind"], r["cause"]) for r in got[2:]] == [(2, "info", "weights_unreadable"), (2, "verdict", "ok")]
     with pytest.raises(ValueError, match="kind must be one of"):
@@ -82,6 +82,14 @@ def test_the_check_keeps_every_warning_names_tensors_and_strict_writes_first(tmp
     check.last_weights = WeightReport(3, 4, ["model.layers.1.mlp.up_proj.weight"], [], {}, "float32", "float32")
     check.report(3, "weights_partial", "a bucket")
     assert rows(tmp_path)[-1]["tensors"] == ["model.layers.1.mlp.up_proj.weight"]
+    # a note said once: an engine that reports no checksums turns the weight comparison off, kept as info
+    blind = ConsistencyCheck(CheckConfig(), actor=object(), engines=lambda: [None], out=out, record=log)
+    ok = {"check/tokens": 50.0, "check/logprob_abs_diff_mean": 1e-7, "check/ratio_out_of_band": 0.0}
+    for step in (1, 10):
+        blind.after_step(step, ok)
+    notes = [r for r in rows(tmp_path) if r["kind"] == "info"]
+    assert [(r["step"], r["cause"]) for r in notes] == [(1, "weights_unsupported")]
+    assert out.getvalue().count("weight checksums off") == 1
     strict = ConsistencyCheck(CheckConfig(strict=True), out=out, record=log)
     with pytest.raises(ConsistencyError):
         strict.after_step(4, bad)
