@@ -5,15 +5,17 @@ gone with the terminal. Here every judged step leaves a row, so the file also sa
 ran (and on which steps it compared the weights), and ``python -m rlcore.inspect`` marks the steps
 that warned. Rows::
 
-    {"step": 7, "kind": "verdict", "cause": "ok", "message": "", "numbers": {check/* of the step}, "tensors": []}
+    {"step": 6, "kind": "verdict", "cause": "ok", "message": "", "numbers": {check/* of the step}, "tensors": []}
     {"step": 7, "kind": "warning", "cause": "weights_partial", "message": "...", "numbers": {...},
      "tensors": ["model.layers.1.mlp.up_proj.weight", ...]}
+    {"step": 7, "kind": "verdict", "cause": "weights_partial", "message": "...", "numbers": {...}, "tensors": []}
     {"step": 1, "kind": "info", "cause": "weights_unreadable", "message": "...", "numbers": {}, "tensors": [...]}
 
-kind ``verdict``: one per judged step (a step whose update scored sampled tokens), ``cause`` "ok" or
-the step's likely cause (``rlcore.trainer.consistency.diagnose``'s keys) with its warning's message; ``warning``: each time a
-measure leaves its band (every step it happens, while stderr says it once per cause); ``info``: the
-check's once-said notes (weight checksums off, tensors that cannot be read back).
+kind ``verdict``: one per judged step (a step whose update scored sampled tokens), ``cause`` "ok"
+or the step's likely cause (``rlcore.trainer.consistency.diagnose``'s keys) with its warning's
+message; ``warning``: each time a measure leaves its band (every step it happens, while stderr
+says it once per cause); ``info``: the check's once-said notes (weight checksums off, tensors that
+cannot be read back).
 
 Each row is one ``os.write`` of a whole line to a file opened with O_APPEND: a reader (the
 inspector on a live run) sees whole rows or, at worst, one last line still being written, never two
