@@ -230,9 +230,13 @@ class TrainingRun:
 
     def sampled_log_probs(self, batch: DataProto | None) -> list[dict] | None:
         """The trainer's log-probs of the trajectory sample's rows from a single-step update's own
-        forward (``rlcore.workers.sampled_rows``), when the sample is on and the batch has none of its own."""
+        forward (``rlcore.workers.sampled_rows``), when the sample is on and the batch has the sampler's
+        log-probs but none of the trainer's (an SFT batch has neither: nothing is asked)."""
         actor = self.workers.trained.get("actor")
-        if actor is None or not self.trajectories.wants(batch) or any(k in batch.batch.keys() for k in TRAINER_LOG_PROB_KEYS):
+        if actor is None or not self.trajectories.wants(batch):
+            return None
+        have = batch.batch.keys()
+        if "rollout_log_probs" not in have or any(k in have for k in TRAINER_LOG_PROB_KEYS):
             return None
         return [row for rank in actor.take_sampled_log_probs() for row in rank]
 
