@@ -2,7 +2,7 @@
 
 Writes <run>/inspector.html (self-contained: open it in any browser, no network needed), or with
 --serve serves the page of the folder, rebuilt at every load (a live run), on 127.0.0.1 behind a
-random token, until interrupted.
+random token, until interrupted (its data as JSON at /data.json, same token).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""What the inspector shows, read from a run folder: metrics.jsonl, trajectories/step_N.jsonl, config.yaml.
+"""What the inspector shows, read from a run folder: metrics.jsonl, trajectories/step_N.jsonl, config.yaml,
+check.jsonl (the consistency check's verdicts: rlcore.trainer.verdicts).
 
 Why a reader of its own: the page must open a run that is still going (the last line of a file
 may be half written: it is left out) and hand the browser strict JSON (NaN and inf, which
@@ -15,6 +16,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from rlcore.trainer.trajectory_files import ENV_VERSION, TRAJECTORY_DIR, file_step
+from rlcore.trainer.verdicts import CHECK_FILE
 
 METRICS_FILE = "metrics.jsonl"
 CONFIG_FILE = "config.yaml"
@@ -101,10 +103,11 @@ def sample_metrics(step: int, records: list[dict]) -> dict[str, Any]:
 
 
 def load_run(folder: str | Path, last: int | None = None) -> dict[str, Any]:
-    """The page's data: ``{"run", "folder", "config", "metrics": [row], "sample_metrics": [row], "steps":
-    [{"step", "records"}]}``, the trajectory sample of the ``last`` steps (all when None); sample_metrics
-    (``sample_metrics``) cover every sampled step. A folder with neither metrics nor
-    trajectories is refused, naming what it lacks."""
+    """The page's data: ``{"run", "folder", "config", "metrics": [row], "sample_metrics": [row], "checks":
+    [row], "steps": [{"step", "records"}]}``, the trajectory sample of the ``last`` steps (all when None);
+    sample_metrics (``sample_metrics``) cover every sampled step; checks: check.jsonl's rows, every
+    step's (empty for a run from before the file, or with the check off). A folder with neither
+    metrics nor trajectories is refused, naming what it lacks."""
     folder = Path(folder).expanduser().resolve()
     if not folder.is_dir():
         raise RunFolderError(f"{folder} is not a directory: pass a run folder "
@@ -118,11 +121,13 @@ def load_run(folder: str | Path, last: int | None = None) -> dict[str, Any]:
     if last is not None and last < 1:
         raise ValueError(f"last must be >= 1 (steps of trajectories to show), got {last}")
     steps = [{"step": step, "records": read_records(path)} for step, path in files]
+    checks_path = folder / CHECK_FILE
     return {
         "run": f"{folder.parent.name}/{folder.name}",  # <project>/<run_name>
         "folder": str(folder),
         "config": config_summary(folder),
         "metrics": read_records(metrics_path) if metrics_path.is_file() else [],
         "sample_metrics": [sample_metrics(s["step"], s["records"]) for s in steps],
+        "checks": read_records(checks_path) if checks_path.is_file() else [],
         "steps": steps[-last:] if last is not None else steps,
     }

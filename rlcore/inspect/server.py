@@ -1,5 +1,8 @@
 """``--serve``: the page of a live run on 127.0.0.1, rebuilt from the folder at each load, behind a token.
 
+``/``: the page; ``/data.json``: what the page shows, as JSON (``load_run``: metrics, the trajectory
+sample, the consistency check's verdicts), for scripts and notebooks watching a run.
+
 Why a token although it binds loopback: any local user or web page the browser opens could
 otherwise reach the port; the page shows prompts and model outputs. The token is random per start,
 is part of the URL printed, and every request without it gets 403.
@@ -8,6 +11,7 @@ is part of the URL printed, and every request without it gets 403.
 from __future__ import annotations
 
 import hmac
+import json
 import secrets
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,6 +22,7 @@ from rlcore.inspect.page import render_page
 from rlcore.inspect.run_data import RunFolderError, load_run
 
 HOST = "127.0.0.1"
+DATA_PATH = "/data.json"
 REQUEST_TIMEOUT_S = 30.0  # a client that stops sending mid-request frees its thread after this
 
 
@@ -51,13 +56,15 @@ class Handler(BaseHTTPRequestHandler):
         if not hmac.compare_digest(given.encode(), self.server.token.encode()):
             return self.reply(403, "text/plain", "403: this page needs the token printed by python -m rlcore.inspect "
                                                  "(?token=...)\n")
-        if parts.path != "/":
-            return self.reply(404, "text/plain", f"404: no {parts.path}; the page is /\n")
+        if parts.path not in ("/", DATA_PATH):
+            return self.reply(404, "text/plain", f"404: no {parts.path}; the page is /, its data {DATA_PATH}\n")
         try:
-            body = render_page(load_run(self.server.folder, self.server.last))
+            data = load_run(self.server.folder, self.server.last)
         except RunFolderError as exc:
             return self.reply(500, "text/plain", f"500: {exc}\n")
-        self.reply(200, "text/html; charset=utf-8", body)
+        if parts.path == DATA_PATH:
+            return self.reply(200, "application/json", json.dumps(data, ensure_ascii=False, allow_nan=False))
+        self.reply(200, "text/html; charset=utf-8", render_page(data))
 
     def reply(self, status: int, kind: str, text: str) -> None:
         data = text.encode("utf-8")

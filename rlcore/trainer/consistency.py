@@ -33,7 +33,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -193,6 +193,14 @@ def check_rewards(batch: DataProto, key: str = "token_level_scores") -> dict[str
                            "replaced by a number")
 
 
+class Recorder(Protocol):
+    """Where the check's warnings and notes are kept (``rlcore.trainer.verdicts.VerdictLog``)."""
+
+    def warning(self, step: int, cause: str, message: str, tensors: Sequence[str] = ()) -> None: ...
+
+    def info(self, step: int, cause: str, message: str, tensors: Sequence[str] = ()) -> None: ...
+
+
 class ConsistencyCheck:
     """Judges each step's ``check/*`` metrics and, when due, the engines' weights; warns once per
     cause or raises (strict). ``engines``: a callable returning each engine's weight checksums
@@ -200,10 +208,11 @@ class ConsistencyCheck:
     set with ``watch`` when the engines come later than the run."""
 
     def __init__(self, cfg: CheckConfig, actor: Any = None, engines: Callable[[], list[dict]] | None = None,
-                 out: Any = None, probe: ProbeCheck | None = None) -> None:
+                 out: Any = None, probe: ProbeCheck | None = None, record: Recorder | None = None) -> None:
         self.cfg, self.actor, self.engines = cfg, actor, engines
         self.out = out or sys.stderr
         self.probe = probe  # the end-to-end probe (rlcore.trainer.probe_check), run with every weight comparison
+        self.record = record  # keeps every warning and note (the run's VerdictLog: <run>/check.jsonl)
         self._elements: dict[str, int] | None = None  # the trainer's elements per tensor, at the last comparison
         self.warned: dict[str, str] = {}  # cause key -> message, each warned once
         self.last_weights: WeightReport | None = None
@@ -274,8 +283,8 @@ class ConsistencyCheck:
         engines = self.engines()
         if any(engine is None for engine in engines):  # an engine whose weights have no HF names to compare
             self._unsupported = "the rollout engine does not report weight checksums"
-            print(f"consistency check: weight checksums off for this run ({self._unsupported}; the log-prob "
-                  "measures stay on)", file=self.out, flush=True)
+            self.say(step, "weights_unsupported", f"weight checksums off for this run ({self._unsupported}; the "
+                     "log-prob measures stay on)")
             return None
         dtypes = {name: c[0] for name, c in engines[0].items() if c is not None} if engines else {}
         trainer = self.actor.weight_checksums(dtypes)
@@ -285,17 +294,28 @@ class ConsistencyCheck:
         unread = len(self.last_weights.unreadable)
         if unread and not self._said_unreadable and self.probe is not None:
             self._said_unreadable = True
-            print(probe_only_note(self._elements, self.last_weights.unreadable), file=self.out, flush=True)
+            self.say(step, "weights_probe_only", probe_only_note(self._elements, self.last_weights.unreadable)
+                     .removeprefix("consistency check: "), self.last_weights.unreadable)
         if unread and not self._said_unreadable:
             self._said_unreadable = True
-            print(f"consistency check: {unread} tensor(s) could not be read back from the engine (kept only as "
-                  f"packed CPU matmul kernels, e.g. {self.last_weights.unreadable[0]}) and are not compared; "
-                  f"{self.last_weights.tensors} are (rollout.cpu_weight_layout=plain makes every one readable)",
-                  file=self.out, flush=True)
+            self.say(step, "weights_unreadable", f"{unread} tensor(s) could not be read back from the engine (kept "
+                     f"only as packed CPU matmul kernels, e.g. {self.last_weights.unreadable[0]}) and are not "
+                     f"compared; {self.last_weights.tensors} are (rollout.cpu_weight_layout=plain makes every one "
+                     "readable)", self.last_weights.unreadable)
         return self.last_weights
+
+    def say(self, step: int, cause: str, text: str, tensors: Sequence[str] = ()) -> None:
+        """A note said once (the caller's flag): to ``out`` and, kept, to ``record``."""
+        print(f"consistency check: {text}", file=self.out, flush=True)
+        if self.record is not None:
+            self.record.info(step, cause, text, tensors)
 
     def report(self, step: int, cause: str, message: str) -> None:
         text = f"consistency check, step {step}: {message}"
+        if self.record is not None:  # every time, before a strict run stops: the file says why it did
+            weights = self.last_weights
+            named = weights.differ + weights.missing if weights is not None and cause.startswith("weights") else []
+            self.record.warning(step, cause, text, named)
         if self.cfg.strict:
             raise ConsistencyError(text + " (trainer.check.strict=true)")
         if cause not in self.warned:

@@ -15,6 +15,8 @@ It owns the run folder ``<trainer.output_dir>/<trainer.project>/<trainer.run_nam
                        rebuilds a checkpoint's model from
     run.lock           held (``flock``) for the run's life; holds its pid
     stalls/            step_N_<phase>.txt: what a phase past its watchdog deadline waited for, with stacks
+    check.jsonl        the consistency check's verdict of every judged step, its warnings and notes
+                       (rlcore.trainer.verdicts), for people and ``python -m rlcore.inspect``
 
 A folder is one run's. A second live run in it fails at once, naming the holder's pid (the lock
 goes with the process, however it ends). A folder holding an earlier run's records is refused too,
@@ -82,7 +84,8 @@ from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: 
 from rlcore.trainer.stop_signal import RunStopped, StopSignals
 from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
-from rlcore.trainer.trajectories import TRAJECTORY_DIR, TrajectoryWriter
+from rlcore.trainer.trajectories import TRAINER_LOG_PROB_KEYS, TRAJECTORY_DIR, TrajectoryWriter
+from rlcore.trainer.verdicts import VerdictLog, judged
 from rlcore.trainer.watchdog import Watchdog
 from rlcore.workers.mismatch import read_check_config
 
@@ -127,6 +130,7 @@ class TrainingRun:
         self.watchdog = Watchdog(t.watchdog, self.dir / "stalls")  # every timed stage (and step) has a deadline
         self.timer = Timer(watch=(self.watchdog.begin, self.watchdog.end))
         self.check = consistency_check(cfg, workers)  # trainer vs sampler, every step (docs/correctness.md)
+        self.verdicts: VerdictLog | None = None  # <run>/check.jsonl, once the start step is known (_start)
         self.last_val: dict[str, float] = {}
         self._failed = False  # the run's block ended by an exception
         self._exported_at: int | None = None  # the step of the last checkpoint this run exported
@@ -165,6 +169,8 @@ class TrainingRun:
                                config=self.cfg, total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
         self._teardown.callback(lambda: self.tracker.close(failed=self._failed))
         save_run_config(self.cfg, self.dir)
+        self.verdicts = VerdictLog(self.dir, self.start_step)  # rows of the steps run again are dropped
+        self.check.record = self.verdicts  # the check's warnings and notes are kept there too
         source = OmegaConf.select(self.cfg, "env.name") or OmegaConf.select(self.cfg, "agent.path")  # episodes' rows
         self.trajectories = TrajectoryWriter(self.dir / TRAJECTORY_DIR, t.trajectory_groups,
                                              OmegaConf.select(self.cfg, "model.path"), self.start_step, source)
@@ -215,11 +221,14 @@ class TrainingRun:
             with self.timer("save_checkpoint"):
                 self.save(step)
         start = time.perf_counter()
-        self.trajectories.write(step, batch)
+        self.trajectories.write(step, batch, self.sampled_log_probs(batch))
         self.completions.log(step, batch)  # every trainer.completion_table.every steps
         out["timing_s/trajectories"] = time.perf_counter() - start  # timed apart: no "throughput/" key for it
         with self.timer("check"):
+            self.verdicts.begin(step, out)
             out.update(self.check.after_step(step, out))
+            if judged(self.check.cfg.enable, out):  # every judged step leaves a verdict row: ok or its cause
+                self.verdicts.verdict(step, out)
         out.update(self.balance_metrics())
         out.update(self.timer.metrics())
         out["timing_s/step"] = time.perf_counter() - self._step_start
@@ -229,6 +238,18 @@ class TrainingRun:
             out["throughput/step"] = tokens / out["timing_s/step"]
         self.tracker.log(out, step=step)
         self._stop_if_asked(step)
+
+    def sampled_log_probs(self, batch: DataProto | None) -> list[dict] | None:
+        """The trainer's log-probs of the trajectory sample's rows from a single-step update's own
+        forward (``rlcore.workers.sampled_rows``), when the sample is on and the batch has the sampler's
+        log-probs but none of the trainer's (an SFT batch has neither: nothing is asked)."""
+        actor = self.workers.trained.get("actor")
+        if actor is None or not self.trajectories.wants(batch):
+            return None
+        have = batch.batch.keys()
+        if "rollout_log_probs" not in have or any(k in have for k in TRAINER_LOG_PROB_KEYS):
+            return None
+        return [row for rank in actor.take_sampled_log_probs() for row in rank]
 
     def _stop_if_asked(self, step: int) -> None:
         """After a stop signal (``rlcore.trainer.stop_signal``): checkpoint ``step``, the last finished one

@@ -21,9 +21,11 @@ from typing import IO
 
 from rlcore.trainer.run_checkpoint import HF_DIR
 from rlcore.trainer.trajectory_files import TRAJECTORY_DIR
+from rlcore.trainer.verdicts import CHECK_FILE
 
 LOCK_FILE = "run.lock"
-RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR, "wandb", "mlruns", TRAJECTORY_DIR)  # what a run leaves
+RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR, "wandb", "mlruns", TRAJECTORY_DIR,
+               CHECK_FILE)  # what a run leaves
 
 
 class RunFolderError(RuntimeError):

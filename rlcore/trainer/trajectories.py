@@ -10,7 +10,8 @@ are written, one JSON object per response, to ``<run>/trajectories/step_<step:06
     num_turns, length, policy_version (the policy this step trains from: step - 1),
     prompt_ids, prompt_pieces,
     ids, pieces (each token decoded alone), sampler_logprob (rollout_log_probs),
-    trainer_logprob (the trainer's log-prob of the token, when the batch has one: TRAINER_LOG_PROB_KEYS),
+    trainer_logprob (the trainer's log-prob of the token: the batch's TRAINER_LOG_PROB_KEYS, or, after a
+      single-step update, what its own first forward scored: rlcore.workers.sampled_rows),
     advantages, versions (the policy version that sampled each token: token_versions (counted from the
       step's policy when a turn-lockstep rollout says they count per call), else the row's
       policy_version column, else step - 1; -1: env/tool tokens), mask (loss mask),
@@ -36,24 +37,37 @@ from transformers import AutoTokenizer
 from rlcore.engines.layout import PER_CALL_VERSIONS
 from rlcore.protocol import DataProto
 from rlcore.trainer.trajectory_files import ENV_VERSION, TRAJECTORY_DIR, file_step, step_file
+from rlcore.workers.sampled_rows import pick_groups
 
 __all__ = ["TRAJECTORY_DIR", "TrajectoryWriter", "file_step", "pick_groups", "segments", "step_file", "trajectory_rows"]
 
 TRAINER_LOG_PROB_KEYS = ("trainer_log_probs", "old_log_probs")  # the first one a batch has
 
 
-def pick_groups(uids: Sequence[Any], n: int) -> list[list[int]]:
-    """Row indices of ``n`` groups (rows sharing a uid), evenly spread over the batch's groups in
-    order of first appearance: the first and the last group always, so a sample is not all from
-    one end of a sorted batch."""
-    groups: dict[Any, list[int]] = {}
-    for i, uid in enumerate(uids):
-        groups.setdefault(uid, []).append(i)
-    ordered = list(groups.values())
-    if n >= len(ordered):
-        return ordered
-    picks = np.unique(np.linspace(0, len(ordered) - 1, n).round().astype(int))
-    return [ordered[i] for i in picks]
+KeptLogProbs = dict[tuple[str, tuple[int, ...]], list[float]]  # (uid, response ids) -> the trainer's log-probs
+
+
+def kept_log_probs(rows: Sequence[dict] | None) -> KeptLogProbs:
+    """The actor's ``take_sampled_log_probs`` rows (all ranks') by (uid, response ids)."""
+    return {(str(r["uid"]), tuple(r["ids"])): r["log_probs"] for r in rows or ()}
+
+
+def sample_rows(uids: Sequence[Any], groups: int, kept: KeptLogProbs) -> list[int]:
+    """The rows of the step's sample: ``groups`` groups evenly spread (``pick_groups``). When the actor
+    kept the trainer's log-probs of some (a single-step update), those groups first, then others
+    up to ``groups`` (rows the update skipped have none: ``actor.skip_zero_advantage_rows``)."""
+    def spread(among: list[int], n: int) -> list[int]:
+        if n <= 0 or not among:
+            return []
+        return [among[j] for group in pick_groups([uids[i] for i in among], n) for j in group]
+
+    if not kept:
+        return spread(list(range(len(uids))), groups)
+    with_trainer = {uid for uid, _ in kept}
+    have = [i for i in range(len(uids)) if str(uids[i]) in with_trainer]
+    first = spread(have, groups)
+    rest = [i for i in range(len(uids)) if str(uids[i]) not in with_trainer]
+    return sorted(first + spread(rest, groups - len({str(uids[i]) for i in first})))
 
 
 def segments(mask: Sequence[int], versions: Sequence[int] | None) -> list[list]:
@@ -103,8 +117,9 @@ TENSOR_KEYS = ("prompts", "responses", "attention_mask", "response_mask", "token
 
 
 def trajectory_rows(batch: DataProto, step: int, rows: Sequence[int], pieces: TokenPieces, eos_id: int | None,
-                    default_source: str | None = None) -> list[dict]:
-    """The records (module docstring) of ``rows`` of ``batch``."""
+                    default_source: str | None = None, kept: KeptLogProbs | None = None) -> list[dict]:
+    """The records (module docstring) of ``rows`` of ``batch``; ``kept``: the trainer's log-probs of
+    rows of a batch without TRAINER_LOG_PROB_KEYS (``kept_log_probs``)."""
     b, nt = batch.batch, batch.non_tensor_batch
     width_p, width_r = b["prompts"].shape[1], b["responses"].shape[1]
     index = torch.as_tensor(list(rows), dtype=torch.long)
@@ -136,6 +151,7 @@ def trajectory_rows(batch: DataProto, step: int, rows: Sequence[int], pieces: To
         if ground_truth is None and isinstance(task, dict):
             ground_truth = task.get("answer")
         reward = sum(cols["token_level_scores"][k]) if "token_level_scores" in cols else None
+        trainer = cols[trainer_key][k][:n] if trainer_key else (kept or {}).get((str(_cell(nt.get("uid"), i)), tuple(ids)))
         out.append({
             "step": step, "row": int(i), "group": str(_cell(nt.get("uid"), i)),
             "episode": None if "episode" not in nt else str(_cell(nt["episode"], i)),
@@ -148,7 +164,7 @@ def trajectory_rows(batch: DataProto, step: int, rows: Sequence[int], pieces: To
             "prompt_ids": prompt_ids, "prompt_pieces": pieces(prompt_ids),
             "ids": ids, "pieces": pieces(ids),
             "sampler_logprob": _rounded(cols["rollout_log_probs"][k][:n]) if "rollout_log_probs" in cols else None,
-            "trainer_logprob": _rounded(cols[trainer_key][k][:n]) if trainer_key else None,
+            "trainer_logprob": _rounded(trainer) if trainer is not None else None,
             "advantages": _rounded(advantages) if advantages is not None else None,
             "versions": versions if versions is not None else [sampled_by] * n,
             "mask": mask,
@@ -188,17 +204,23 @@ class TrajectoryWriter:
             self._pieces, self._eos = TokenPieces(tokenizer), tokenizer.eos_token_id
         return self._pieces, self._eos
 
-    def write(self, step: int, batch: DataProto | None) -> int:
+    def wants(self, batch: DataProto | None) -> bool:
+        """Whether ``write`` would write a sample of ``batch``: on, and the batch holds sampled responses."""
+        return bool(self.groups) and batch is not None and {"responses", "prompts"} <= set(batch.batch.keys())
+
+    def write(self, step: int, batch: DataProto | None, kept: Sequence[dict] | None = None) -> int:
         """Write ``step``'s sample of ``batch``; the number of responses written (0 when off, or when the
-        batch holds no sampled responses, e.g. a reward model's pairs)."""
-        if not self.groups or batch is None or "responses" not in batch.batch.keys() or "prompts" not in batch.batch.keys():
+        batch holds no sampled responses, e.g. a reward model's pairs). ``kept``: the actor's
+        ``take_sampled_log_probs`` after a single-step update (the sample is picked among its rows)."""
+        if not self.wants(batch):
             return 0
         pieces, eos = self.token_pieces()
         uids = batch.non_tensor_batch.get("uid")
         if uids is None:
             uids = np.arange(len(batch))  # every row its own group
-        rows = [i for group in pick_groups(list(uids), self.groups) for i in group]
-        records = trajectory_rows(batch, step, rows, pieces, eos, self.default_source)
+        trainer = kept_log_probs(kept)
+        rows = sample_rows(list(uids), self.groups, trainer)
+        records = trajectory_rows(batch, step, rows, pieces, eos, self.default_source, trainer)
         self.folder.mkdir(parents=True, exist_ok=True)
         tmp = step_file(self.folder, step).with_suffix(".tmp")
         with open(tmp, "w") as f:

@@ -61,6 +61,7 @@ from rlcore.workers.moe import MoEActor, micro_share
 from rlcore.workers.precision import resolve_mixed_precision
 from rlcore.workers.packing import load_kwargs, response_inputs
 from rlcore.workers.response_head import install_response_head
+from rlcore.workers.sampled_rows import SampledRows
 
 INPUT_KEYS = ["input_ids", "attention_mask", "position_ids", "responses"]
 ROLES = ("actor", "ref")
@@ -80,6 +81,8 @@ class ActorWorker(FSDPTrainWorker):
         self.policy_loss_fn = get_policy_loss(self.train_cfg.policy_loss)
         self.lora = role == "actor" and self.train_cfg.lora.enabled  # a ref is the base model, never adapted
         self.mismatch = MismatchCollector(read_check_config(config))  # check/*: trainer vs sampler log-probs
+        trainer = (config or {}).get("trainer") or {}
+        self.sampled = SampledRows(int(trainer.get("trajectory_groups") or 0))  # the trajectory sample's rows
 
     @register(Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
@@ -179,10 +182,18 @@ class ActorWorker(FSDPTrainWorker):
                     "ppo_mini_batch_size null or the whole batch)") if "old_log_probs" in str(e) else ""
             raise KeyError(f"update_policy: {e.args[0]}{hint}") from None
         self.mismatch.start(selected)  # from old_log_probs, or from the update's first forward (_loss)
+        self.sampled.start(selected)  # likewise: the trainer's log-probs of the trajectory sample's rows
         dropped = self._mask_mismatched(selected) if cfg.use_rollout_is and cfg.rollout_is_mode == "mask" else {}
         rows_with_grad = self._rows_with_grad() if "advantages" in have else None
         metrics = {**self.run_updates(selected, self._loss, "actor", rows_with_grad), **dropped}
+        self.sampled.stop()
         return {**metrics, **self.mismatch.finish(self.device)}
+
+    @register(Dispatch.ONE_TO_ALL)
+    def take_sampled_log_probs(self) -> list[dict]:
+        """The trainer's log-probs of the trajectory sample's rows from the last single-step update's
+        own forward (``rlcore.workers.sampled_rows``), then forgotten; [] after any other update."""
+        return self.sampled.take()
 
     def _rows_with_grad(self):
         """With ``skip_zero_advantage_rows``, the mask of rows that can move the policy: those with a
@@ -209,6 +220,8 @@ class ActorWorker(FSDPTrainWorker):
         if self.mismatch.collecting:  # measured before the out-of-band tokens leave the mask
             self.mismatch.add(old, data)
             self.mismatch.collecting = False
+        self.sampled.add(old, data)
+        self.sampled.stop()
         weights, metrics = compute_is_weights(old, b["rollout_log_probs"], mask, cap=cfg.rollout_is_cap,
                                               level=cfg.rollout_is_level, mode="mask", lower=cfg.rollout_is_lower)
         b["response_mask"] = mask * (weights > 0).to(mask.dtype)
@@ -226,6 +239,7 @@ class ActorWorker(FSDPTrainWorker):
         mask = b["response_mask"]
         log_prob, entropy = self._forward(micro)
         self.mismatch.add(log_prob, micro)  # single-step update: its first forward is the trainer's scoring
+        self.sampled.add(log_prob, micro)  # the same, for the rows of the trajectory sample
         # No old_log_probs: a single-step update (see update_policy), whose own log-probs are the old ones.
         old_log_prob = b["old_log_probs"] if "old_log_probs" in b.keys() else log_prob.detach()
         metrics: dict[str, float] = {}

@@ -1,7 +1,9 @@
 """The inspector page in a real headless browser (Debian's chromium, driven by playwright): the page of
 a real GRPO run and of a multi-turn run, written to a file or served, loads with no console error and no
 network request; a click on a response shows its tokens with the run's numbers; colours, filters and
-the side-by-side view do what they say (counts and colours checked against the run's own files)."""
+the side-by-side view do what they say (counts and colours checked against the run's own files); the
+consistency check's verdicts (check.jsonl) show as a list and as marks on the curves, its counts on a
+chart of their own and its differences on a log scale."""
 
 import json
 import os
@@ -18,6 +20,7 @@ from rlcore.inspect import write_page
 from rlcore.inspect.server import InspectorServer
 from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.trainer.verdicts import VerdictLog
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install -e '.[test]' (scripts/setup.sh)")
 pytestmark = pytest.mark.slow
@@ -116,6 +119,8 @@ def test_page_of_a_grpo_run_shows_curves_tokens_colours_filters(browser, grpo_ru
     assert tab.locator('.chart[data-chart="KL"] path').count() >= 1
     # the sample's own trainer-vs-sampler curves (mean and max |diff|), one point per sampled step
     mismatch = tab.locator('.chart[data-chart^="Trainer vs sampler"]')
+    assert tab.inner_text("#checks .summary") == "2 steps judged · 2 ok · no warning"  # the run's check.jsonl
+    assert tab.locator(".warn-marker").count() == 0
     assert mismatch.locator(".legend span").all_inner_texts()[-2:] == ["sample/logprob_abs_diff_max",
                                                                        "sample/logprob_abs_diff_mean"]
     assert mismatch.locator('circle title', has_text="sample/logprob_abs_diff_mean").count() == 2
@@ -204,6 +209,52 @@ def test_multi_turn_episode_shows_its_turns(browser, multi_turn_run):
     assert "env / tool token" in resp.locator(".detail").inner_text()
     policy.nth(1).locator(".tok").first.click()  # the step's policy sampled it, whatever the lockstep engine says
     assert f"version {rec['policy_version']} (lag 0)" in resp.locator(".detail").inner_text()
+    # a default run (one optimizer step, no old_log_probs): the trainer's log-probs are in the sample all the same
+    assert rec["trainer_logprob"] is not None
+    assert number(resp.locator(".detail").inner_text(), "trainer lp") == pytest.approx(
+        rec["trainer_logprob"][[seg for seg in rec["segments"] if seg[0] == "policy"][1][1]], abs=1e-4)
+    page.tab.select_option("#mode", "ratio")
+    assert page.tab.locator(".note", has_text="no trainer log-probs").count() == 0
+    page.close()
+
+
+def test_check_warnings_mark_the_curves_and_are_listed_counts_apart(browser, tmp_path):
+    """Hand-written files: ~1500 tokens judged per step, differences of 1e-7 but 0.3 at step 2, where the
+    check warned (rows written by the run's own writer)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "check/tokens": 1500.0 + s, "check/logprob_abs_diff_mean": 0.3 if s == 2 else 1e-7,
+             "check/logprob_diff_mean": -1e-8, "reward/score/mean": s / 10} for s in (1, 2, 3)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = VerdictLog(run)
+    for r in rows:
+        log.begin(r["step"], r)
+        if r["step"] == 2:
+            log.warning(2, "weights_partial", "weights partly synced: <b>1</b> of 21", ["model.layers.1.mlp.up_proj.weight"])
+        log.verdict(r["step"], r)
+    page = Page(browser, write_page(run).as_uri())
+    tab = page.tab
+    assert tab.inner_text("#checks .summary") == "3 steps judged · 2 ok · warnings at step(s) 2"
+    listed = tab.locator("#checks tr.warning")
+    assert listed.count() == 1 and listed.locator("td").all_inner_texts()[:3] == ["2", "warning", "weights_partial"]
+    assert "weights partly synced: <b>1</b> of 21" in listed.inner_text()  # text, not markup
+    assert "model.layers.1.mlp.up_proj.weight" in listed.inner_text()
+    diffs = tab.locator('.chart[data-chart^="Trainer vs sampler"]')
+    counts = tab.locator('.chart[data-chart="Consistency check: counts"]')
+    assert diffs.locator("svg").get_attribute("data-scale") == "log"
+    assert "check/tokens" not in diffs.locator(".legend").inner_text()
+    assert counts.locator(".legend").inner_text().strip() == "check/tokens"
+    # every chart with points at step 2 marks it; none marks another step
+    assert tab.locator('.warn-marker[data-step="2"]').count() == 3 == tab.locator(".warn-marker").count()
+    assert diffs.locator("circle.warned").count() == 2  # both difference series' points at step 2
+    # the mismatch stands out: step 2's point well above steps 1 and 3 (most of the plot's height), and
+    # the signed mean (negative) on the same axis, below them
+    points = diffs.locator("circle").evaluate_all("ns => ns.map(n => [n.textContent, +n.getAttribute('cy')])")
+    cy = {(key.split("\n")[0], int(re.search(r"step (\d+)", key).group(1))): y for key, y in points}
+    abs_mean = "check/logprob_abs_diff_mean"
+    assert cy[abs_mean, 1] == cy[abs_mean, 3] and cy[abs_mean, 1] - cy[abs_mean, 2] > 0.5 * 106  # plot height: 130 - margins
+    assert cy["check/logprob_diff_mean", 1] > cy[abs_mean, 1]  # a negative value, below 1e-7 on the same axis
+    tab.locator("#checks tr.warning").click()  # no trajectories: nothing to select, and no error
     page.close()
 
 

@@ -5,14 +5,26 @@
   const DATA = JSON.parse(document.getElementById("run-data").textContent);
   const SVG = "http://www.w3.org/2000/svg";
   const PALETTE = ["#0969da", "#cf222e", "#1a7f37", "#8250df", "#bc4c00", "#1b7c83", "#bf3989", "#6e7781"];
-  // Each chart: a title and which metrics it draws (whatever of them the run logged).
+  // The consistency check's counts (tokens judged, tensors compared): on a chart of their own, never on
+  // the axis of the differences (1e-7 .. 0.3 beside ~1500 tokens would be flat at zero).
+  const COUNT = (k) => /^check\/(tokens|weights_checked|weights_mismatch|weights_unreadable|nan_rewards)(\/|$)/.test(k);
+  // Each chart: a title, which metrics it draws (whatever of them the run logged), and its y scale.
   const CHARTS = [
     ["Reward", (k) => ["reward/score/mean", "critic/score/mean", "val/reward_mean", "episode/reward_mean"].includes(k)],  // critic/: runs before 2026-12-05
     ["Response length", (k) => ["response_length/mean", "response_length/max"].includes(k)],
     ["KL", (k) => /^actor\/.*kl/.test(k) && !/coeff/.test(k)],
-    ["Trainer vs sampler (check/*, IS weights, sample)", (k) => /^(check\/|actor\/is\/|sample\/logprob)/.test(k)],
+    ["Trainer vs sampler: differences (check/*, IS weights, sample; log scale)",
+      (k) => /^(check\/|actor\/is\/|sample\/logprob)/.test(k) && !COUNT(k), "log"],
+    ["Consistency check: counts", COUNT],
     ["Staleness", (k) => /staleness|version_lag|stale_token|dropped_stale/.test(k)],
   ];
+  // The consistency check's rows (check.jsonl): its warnings mark the curves at their steps.
+  const CHECKS = DATA.checks || [];
+  const warnedAt = new Map();
+  for (const c of CHECKS.filter((c) => c.kind === "warning")) {
+    if (!warnedAt.has(c.step)) warnedAt.set(c.step, new Set());
+    warnedAt.get(c.step).add(c.cause);
+  }
   const MODES = {
     advantage: "advantage",
     ratio: "trainer / sampler prob. ratio",
@@ -62,7 +74,7 @@
   const metricKeys = [...new Set(ROWS.flatMap((r) => Object.keys(r)))]
     .filter((k) => k !== "step" && ROWS.some((r) => typeof r[k] === "number")).sort();
 
-  function chart(title, keys, removable) {
+  function chart(title, keys, removable, scale) {
     const box = el("div", { class: "chart", "data-chart": title });
     const remove = removable ? el("button", { title: "remove", onclick: () => {
       state.extraCharts = state.extraCharts.filter((k) => k !== title); drawCurves(); } }, "×") : null;
@@ -76,7 +88,7 @@
     }
     const plot = el("div");
     const legend = el("div", { class: "legend" });
-    const draw = () => { plot.replaceChildren(plotSvg(series.filter((s) => s.on))); };
+    const draw = () => { plot.replaceChildren(plotSvg(series.filter((s) => s.on), scale)); };
     for (const s of series) {
       const item = el("span", { title: s.key, onclick: () => { s.on = !s.on; item.classList.toggle("off", !s.on); draw(); } },
         el("i", { style: `background:${s.color}` }), s.key);
@@ -87,21 +99,58 @@
     return box;
   }
 
-  function plotSvg(series) {
+  // A log scale that holds 0 and negative values (a signed mean difference): sign(y) log10(1 + |y| / lin),
+  // lin half the smallest non-zero |value|, so every value stays apart from 0 and decades are even.
+  function symlog(values) {
+    const small = Math.min(...values.map(Math.abs).filter((v) => v > 0));
+    const lin = Number.isFinite(small) ? Math.max(small / 2, 1e-300) : 1;
+    const f = (y) => Math.sign(y) * Math.log10(1 + Math.abs(y) / lin);
+    const ticks = (t0, t1) => {  // the decades (and 0) inside [t0, t1], at most 5
+      const out = [];
+      const top = Math.ceil(Math.log10(Math.max(...values.map(Math.abs), lin)));
+      for (let k = Math.floor(Math.log10(lin)); k <= top; k++) {
+        for (const v of [10 ** k, -(10 ** k)]) if (f(v) >= t0 && f(v) <= t1) out.push(v);
+      }
+      if (0 >= t0 && 0 <= t1) out.push(0);
+      out.sort((a, b) => f(a) - f(b));
+      const every = Math.ceil(out.length / 5);
+      return out.filter((_, i) => i % every === 0);
+    };
+    return { f, ticks };
+  }
+
+  function plotSvg(series, scale) {
     const W = 300, H = 130, L = 44, R = 6, T = 6, B = 18;
-    const root = svg("svg", { viewBox: `0 0 ${W} ${H}` });
+    const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, "data-scale": scale || "linear" });
     const pts = series.flatMap((s) => s.points);
     if (!pts.length) return root;
+    const log = scale === "log" ? symlog(pts.map((p) => p[1])) : null;
+    const f = log ? log.f : (y) => y;
     let [x0, x1] = [Math.min(...pts.map((p) => p[0])), Math.max(...pts.map((p) => p[0]))];
-    let [y0, y1] = [Math.min(...pts.map((p) => p[1])), Math.max(...pts.map((p) => p[1]))];
+    let [y0, y1] = [Math.min(...pts.map((p) => f(p[1]))), Math.max(...pts.map((p) => f(p[1])))];
     if (x0 === x1) { x0 -= 1; x1 += 1; }
     if (y0 === y1) { const d = Math.abs(y0) * 0.1 || 1; y0 -= d; y1 += d; }
     const X = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
-    const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
-    for (const f of [0, 0.5, 1]) {
-      const y = y0 + f * (y1 - y0);
+    const Y = (y) => T + (1 - (f(y) - y0) / (y1 - y0)) * (H - T - B);  // y: a value, on the chart's scale
+    let ticks = log ? log.ticks(y0, y1) : [0, 0.5, 1].map((g) => y0 + g * (y1 - y0));
+    if (log) {  // labels at least 11 units apart, the lowest first
+      const kept = [];
+      for (const y of ticks) if (!kept.length || Math.abs(Y(y) - Y(kept[kept.length - 1])) >= 11) kept.push(y);
+      ticks = kept;
+    }
+    const label = (y) => log && y !== 0 && (Math.abs(y) < 1e-3 || Math.abs(y) >= 1e4)
+      ? `${y < 0 ? "-" : ""}1e${Math.round(Math.log10(Math.abs(y)))}` : fmt(y, 3);
+    for (const y of ticks) {
       root.append(svg("line", { class: "gridline", x1: L, x2: W - R, y1: Y(y), y2: Y(y) }));
-      root.append(svg("text", { x: L - 3, y: Y(y) + 3, "text-anchor": "end" }, document.createTextNode(fmt(y, 3))));
+      root.append(svg("text", { x: L - 3, y: Y(y) + 3, "text-anchor": "end" }, document.createTextNode(label(y))));
+    }
+    for (const [step, causes] of warnedAt) {  // the check warned at this step: a red mark across the chart
+      if (step < x0 || step > x1) continue;
+      const text = `consistency check, step ${step}: ${[...causes].join(", ")}`;
+      root.append(svg("line", { class: "warn-marker", "data-step": step, x1: X(step), x2: X(step), y1: T, y2: H - B },
+        svg("title", {}, document.createTextNode(text))));
+      root.append(svg("path", { class: "warn-flag", d: `M${X(step) - 4},${T}L${X(step) + 4},${T}L${X(step)},${T + 6}Z` },
+        svg("title", {}, document.createTextNode(text))));
     }
     root.append(svg("line", { class: "axis", x1: L, x2: L, y1: T, y2: H - B }));
     root.append(svg("line", { class: "axis", x1: L, x2: W - R, y1: H - B, y2: H - B }));
@@ -118,7 +167,8 @@
       const d = s.points.map((p, i) => `${i ? "L" : "M"}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join("");
       root.append(svg("path", { d, fill: "none", stroke: s.color, "stroke-width": 1.5, "vector-effect": "non-scaling-stroke" }));
       for (const [x, y] of s.points) {
-        const dot = svg("circle", { cx: X(x), cy: Y(y), r: 2.2, fill: s.color },
+        const warned = warnedAt.has(x);
+        const dot = svg("circle", { cx: X(x), cy: Y(y), r: warned ? 3.2 : 2.2, fill: s.color, class: warned ? "warned" : "" },
           svg("title", {}, document.createTextNode(`${s.key}\nstep ${x}: ${fmt(y, 5)}`)));
         dot.addEventListener("click", () => { if (byStep.has(x)) { state.stepA = x; update(); } });
         root.append(dot);
@@ -129,8 +179,36 @@
 
   function drawCurves() {
     const grid = document.querySelector("#curves .grid");
-    grid.replaceChildren(...CHARTS.map(([title, want]) => chart(title, metricKeys.filter(want), false)),
+    grid.replaceChildren(...CHARTS.map(([title, want, scale]) => chart(title, metricKeys.filter(want), false, scale)),
       ...state.extraCharts.map((k) => chart(k, [k], true)));
+  }
+
+  // ------------------------------------------------------------------ the check's verdicts
+  function checkList() {
+    const verdicts = CHECKS.filter((c) => c.kind === "verdict");
+    const ok = verdicts.filter((c) => c.cause === "ok").length;
+    const box = el("section", { id: "checks" }, el("h2", {}, "Consistency check"));
+    if (!CHECKS.length) {
+      box.append(el("div", { class: "note" }, "no check.jsonl in this run folder (a run from before it, the check " +
+        "off, or no step judged yet)"));
+      return box;
+    }
+    box.append(el("div", { class: "summary" }, `${verdicts.length} steps judged · ${ok} ok · ` +
+      (warnedAt.size ? `warnings at step(s) ${[...warnedAt.keys()].join(", ")}` : "no warning")));
+    const shown = CHECKS.filter((c) => c.kind !== "verdict");
+    if (!shown.length) return box;
+    const table = el("table", { class: "checks" },
+      el("tr", {}, el("th", {}, "step"), el("th", {}, "kind"), el("th", {}, "cause"), el("th", {}, "message")));
+    for (const c of shown) {
+      const tensors = (c.tensors || []).length ? ` [tensors: ${c.tensors.slice(0, 5).join(", ")}` +
+        `${c.tensors.length > 5 ? ", …" : ""}]` : "";
+      table.append(el("tr", { class: c.kind, "data-step": c.step, title: byStep.has(c.step) ? "click: show this step" : "",
+        onclick: () => { if (byStep.has(c.step)) { state.stepA = c.step; update(); } } },
+        el("td", { class: "num" }, String(c.step)), el("td", {}, c.kind), el("td", {}, el("code", {}, c.cause)),
+        el("td", {}, c.message + tensors)));
+    }
+    box.append(table);
+    return box;
   }
 
   // ------------------------------------------------------------------ token colours
@@ -355,6 +433,7 @@
         el("div", { class: "meta" }, el("code", {}, DATA.folder), ` · ${DATA.metrics.length} metric rows · `,
           `${steps.length} sampled steps`, ...cfg)),
       el("section", { id: "curves" }, el("h2", {}, "Curves ", add), el("div", { class: "grid" })),
+      checkList(),
       el("section", { id: "controls" }, ...controls()),
       el("section", { id: "trajectories" }, steps.length ? el("div", { id: "panels" })
         : el("div", { class: "note" }, "no trajectories in this run folder (trainer.trajectory_groups=0, or no step finished)")));
