@@ -36,7 +36,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlcore.algos.consistency import tensor_checksum
+from rlcore.algos.consistency import Fingerprint, tensor_fingerprint
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
 from rlcore.engines.routing import assemble_hf_routing
 from rlcore.engines.seeding import CallSeeds
@@ -224,9 +224,8 @@ class HFEngine(Engine):
         check_weight_names(set(self.model.state_dict()), state_dict)
         self.load_partial(state_dict.items())
 
-    def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
-        return {name: (str(t.dtype).removeprefix("torch."), *tensor_checksum(t))
-                for name, t in self.model.state_dict().items()}
+    def weight_checksums(self) -> dict[str, Fingerprint]:
+        return {name: tensor_fingerprint(t) for name, t in self.model.state_dict().items()}
 
     @torch.no_grad()
     def load_partial(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
