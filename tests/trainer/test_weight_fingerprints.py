@@ -311,7 +311,10 @@ def test_vllm_sync_left_out_then_a_skipped_bucket_at_step_1(tmp_path_factory):
 @pytest.mark.slow
 def test_grpo_run_without_its_sync_says_not_synced_at_step_1(tmp_path, model_dir, monkeypatch, capfd):
     """recipes/grpo.py with the engine's load made a no-op (the sync left out), a bf16 engine beside
-    the fp32 trainer, lr 1e-6: ``TrainingRun`` fingerprints the start, and step 1 names the fault."""
+    the fp32 trainer, lr 1e-6: ``TrainingRun`` fingerprints the start, and step 1 names the fault,
+    though the norms come out of the step bit-identical in bf16. (The untrained model's rewards are
+    all 0, so its advantages are; the entropy bonus is what moves the weights.)"""
+    from rlcore.trainer.tracking import read_jsonl_metrics
     from hydra import compose, initialize_config_dir
 
     import recipes.grpo
@@ -319,11 +322,13 @@ def test_grpo_run_without_its_sync_says_not_synced_at_step_1(tmp_path, model_dir
     monkeypatch.setattr(RolloutWorker, "_load", lambda self, state_dict, start: {})
     overrides = [f"model.path={model_dir}", f"trainer.output_dir={tmp_path}", "trainer.backend=local",
                  "trainer.loggers=[jsonl]", "model.mixed_precision=null", "rollout.dtype=bfloat16", "actor.lr=1e-6",
-                 "trainer.total_steps=1", "trainer.val_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",
+                 "actor.entropy_coeff=0.01", "trainer.total_steps=1", "trainer.val_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",
                  "data.train_batch_size=4", "data.arithmetic.n_train=8", "data.arithmetic.n_val=2", "rollout.n=4",
                  "rollout.max_new_tokens=4", "actor.ppo_micro_batch_size_per_gpu=8"]
     with initialize_config_dir(config_dir=str(Path(recipes.grpo.__file__).parent / "config"), version_base=None):
-        recipes.grpo.train(compose("grpo", overrides=overrides))
+        run = recipes.grpo.train(compose("grpo", overrides=overrides))
+    row = read_jsonl_metrics(run.dir / "metrics.jsonl")[0]
+    assert 0 < row["check/weights_mismatch"] == row["check/weights_stale"] < row["check/weights_checked"]
     err = capfd.readouterr().err
     assert "consistency check, step 1:" in err
     assert "weights not synced: the engine holds step 0's weights (the run's starting weights)" in err
