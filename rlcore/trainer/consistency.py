@@ -2,8 +2,9 @@
 
 Measured every step at no extra forward pass (``rlcore.workers.mismatch``: the ``check/*`` metrics
 of the actor's update), plus, every ``trainer.check.weight_checksum_freq`` steps, at step 1 and
-on the step a log-prob band is first left (once per excursion), an exact fingerprint of every engine tensor against the
-trainer's (``rlcore.algos.consistency.tensor_fingerprint``), and once before the first step (``start``). Rewards that are NaN or infinite are refused by name
+on the step a log-prob band is first left (once per excursion), an exact fingerprint of every
+engine tensor against the trainer's (``rlcore.algos.consistency.tensor_fingerprint``), and once
+before the first step (``start``). Rewards that are NaN or infinite are refused by name
 (``check_rewards``), never turned into numbers.
 
 When a measure leaves its band the run warns once per cause, naming the likely one from what was
@@ -216,9 +217,10 @@ class ConsistencyCheck:
         report = self.check_weights(step, start=True)
         if report is not None and not report.ok:
             bad = report.differ + report.missing
-            self.report(step, "weights_start", f"the engine's weights differ from the trainer's before step {step + 1}: "
-                        f"{len(bad)} of {report.tensors} tensors ({layers_named(bad)}): the engine loaded other weights "
-                        "than the trainer (another checkpoint or revision, or a resumed run whose engine was not synced)")
+            self.report(step, "weights_start", f"the engine's weights differ from the trainer's before step "
+                        f"{step + 1}: {len(bad)} of {report.tensors} tensors ({layers_named(bad)}): the engine "
+                        "loaded other weights than the trainer (another checkpoint or revision, or a resumed run "
+                        "whose engine was not synced)")
 
     def watch(self, engines: Callable[[], list[dict]]) -> None:
         self.engines = engines

@@ -123,8 +123,8 @@ def weights_cause(report: Any) -> tuple[str, str]:
                                    "that was not checked")
     held = {v.holds for v in report.verdicts if v.stale}
     if None not in held and len(held) == 1:
-        step = held.pop()
-        return "weights_not_synced", (f"weights not synced: the engine holds {_step_name(step, report.start)}: all {len(bad)} "
+        holds = _step_name(held.pop(), report.start)
+        return "weights_not_synced", (f"weights not synced: the engine holds {holds}: all {len(bad)} "
                                       f"tensors that changed since differ from the trainer's (of {report.tensors} "
                                       f"compared{where}; {checked}); the engine samples with old weights (a missing "
                                       "or failed sync after an update)")

@@ -299,12 +299,14 @@ def test_vllm_sync_left_out_then_a_skipped_bucket_at_step_1(tmp_path_factory):
     metrics = run.update(tok)
     bucket = [(n, t) for n, t in run.wg.actor_get_full_state_dict().items() if not n.startswith("model.layers.1.")]
     vllm = run.wg.worker(0, "rollout").engine
-    assert vllm.llm.collective_rpc(lambda worker: reload_weights(worker.model_runner, bucket, "plain"))[0] == "in_place"
+    loaded = vllm.llm.collective_rpc(lambda worker: reload_weights(worker.model_runner, bucket, "plain"))
+    assert loaded[0] == "in_place"
     added = check.after_step(1, metrics)
     assert list(check.warned) == ["weights_partial"]
     message = check.warned["weights_partial"]
     assert "model.layers.1.*" in message and "model.layers.0" not in message
-    assert added["check/weights_mismatch"] == len([n for n in vllm.weight_checksums() if n.startswith("model.layers.1.")])
+    layer_1 = [n for n in vllm.weight_checksums() if n.startswith("model.layers.1.")]
+    assert added["check/weights_mismatch"] == len(layer_1)
 
 
 # ------------------------------------------------------------------ through a whole recipe run
@@ -314,17 +316,17 @@ def test_grpo_run_without_its_sync_says_not_synced_at_step_1(tmp_path, model_dir
     the fp32 trainer, lr 1e-6: ``TrainingRun`` fingerprints the start, and step 1 names the fault,
     though the norms come out of the step bit-identical in bf16. (The untrained model's rewards are
     all 0, so its advantages are; the entropy bonus is what moves the weights.)"""
-    from rlcore.trainer.tracking import read_jsonl_metrics
     from hydra import compose, initialize_config_dir
 
     import recipes.grpo
+    from rlcore.trainer.tracking import read_jsonl_metrics
 
     monkeypatch.setattr(RolloutWorker, "_load", lambda self, state_dict, start: {})
     overrides = [f"model.path={model_dir}", f"trainer.output_dir={tmp_path}", "trainer.backend=local",
                  "trainer.loggers=[jsonl]", "model.mixed_precision=null", "rollout.dtype=bfloat16", "actor.lr=1e-6",
-                 "actor.entropy_coeff=0.01", "trainer.total_steps=1", "trainer.val_freq=0", "trainer.save_freq=0", "trainer.export_hf=false",
-                 "data.train_batch_size=4", "data.arithmetic.n_train=8", "data.arithmetic.n_val=2", "rollout.n=4",
-                 "rollout.max_new_tokens=4", "actor.ppo_micro_batch_size_per_gpu=8"]
+                 "actor.entropy_coeff=0.01", "trainer.total_steps=1", "trainer.val_freq=0", "trainer.save_freq=0",
+                 "trainer.export_hf=false", "data.train_batch_size=4", "data.arithmetic.n_train=8",
+                 "data.arithmetic.n_val=2", "rollout.n=4", "rollout.max_new_tokens=4", "actor.ppo_micro_batch_size_per_gpu=8"]
     with initialize_config_dir(config_dir=str(Path(recipes.grpo.__file__).parent / "config"), version_base=None):
         run = recipes.grpo.train(compose("grpo", overrides=overrides))
     row = read_jsonl_metrics(run.dir / "metrics.jsonl")[0]
