@@ -10,7 +10,7 @@ Loads the model's state dict (default SmolLM2-135M, ``model.path=smollm2``) and 
 - ``engine_bf16_s``: a bf16 engine's own weights;
 - ``float_sums_s``: the float64 (elements, sum, sum of squares) the check used before, for scale.
 
-Each the median of ``--repeat`` runs, per torch thread count. Also the process's peak resident
+Each the median of ``--repeat`` runs, wall and CPU seconds, per torch thread count. Also the process's peak resident
 memory before and after (the fingerprint hashes 2 MiB chunks: no copy of a tensor, let alone of
 the model). Timing is reported, never asserted; on a shared machine it is noisy, compare the
 numbers of one run.
@@ -40,13 +40,16 @@ def float_sums(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, float, fl
     return out
 
 
-def median_s(fn, repeat: int) -> float:
-    times = []
+def median_s(fn, repeat: int) -> dict[str, float]:
+    """Median wall seconds, and median CPU seconds of this process (steadier on a shared machine:
+    time spent waiting for a core is not in it)."""
+    wall, cpu = [], []
     for _ in range(repeat):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return {"wall_s": statistics.median(wall), "cpu_s": statistics.median(cpu)}
 
 
 def main() -> None:
