@@ -182,6 +182,20 @@ def test_weights_of_no_known_version_are_named_so():
     assert cause == "weights_partial"
 
 
+def test_an_engine_that_starts_from_other_weights_is_warned_before_step_1():
+    """``start``: the first comparison, before any update; remembered as the starting version."""
+    trainer = _fps({n: 0.0 for n in NAMES})
+    engine = _fps({n: 0.0 for n in NAMES} | {"model.layers.1.mlp.w": 3.0})
+    out = io.StringIO()
+    actor = SimpleNamespace(weight_checksums=lambda dtypes: {"tensors": trainer})
+    check = ConsistencyCheck(CheckConfig(), actor, lambda: [engine], out=out)
+    check.start(0)
+    assert list(check.warned) == ["weights_start"] and check.known.start == 0
+    said = out.getvalue()
+    assert "differ from the trainer's before step 1: 1 of 6 tensors (model.layers.1 - e.g. model.layers.1.mlp.w)" in said
+    assert ConsistencyCheck(CheckConfig(weight_checksum_freq=0), None, None).known.start is None
+
+
 def test_versions_kept_are_the_start_and_the_latest_checks():
     known = KnownVersions()
     for step in range(0, 12):
