@@ -10,11 +10,11 @@ Two measures, both cheap:
   versions) and by turn (first policy segment of a row vs later ones), because the cause of a
   mismatch shows in *where* it is: stale tokens differ by the policy's own change, later turns alone
   by a context the trainer re-rendered.
-- ``weight_checksums``: per tensor (element count, sum, sum of squares) in float64, of the values
-  cast to the engine's dtype. Sums add over shards and over the parts of a fused tensor, so an
-  engine's checksum and the trainer's agree exactly when the weights do; a stale, skipped or
-  corrupted tensor shows, by name, in ``compare_checksums``. (A checksum of sums does not see a
-  permutation of a tensor's values; it sees every stale or missing update.)
+- ``tensor_fingerprint``: per tensor a 64-bit hash of its exact bytes as the engine holds them
+  (the trainer's cast to the engine's dtype first: the bytes a sync sends), keyed by position. Both
+  sides call this one function, so a tensor compares equal only when every bit is; a stale,
+  skipped or corrupted tensor shows, by name, in ``compare_fingerprints``, however small the
+  update that made it stale (float sums of values, used before, missed an fp32 step at lr 1e-6).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ Tensor = torch.Tensor
 MAX_LAG = 4  # version lags 0..3 each, and 4 or more together ("lag_4")
 SUM_KEYS = ("tokens", "abs_sum", "signed_sum", "out_of_band", "first_tokens", "first_abs_sum", "later_tokens",
             "later_abs_sum")
-Checksum = tuple[int, float, float]  # (elements, sum, sum of squares)
+Fingerprint = tuple[str, int, int]  # (dtype name, elements, 64-bit hash of the bytes): tensor_fingerprint
 
 
 @torch.no_grad()
@@ -130,46 +130,91 @@ def mismatch_metrics(sums: Mapping[str, Tensor], prefix: str = "check/") -> dict
 
 
 # ------------------------------------------------------------------ weights
+_WORDS = 1 << 18  # 64-bit words hashed per chunk: 2 MiB, so a chunk's temporaries stay in cache
+_LOW32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+_keys: dict[torch.device, Tensor] = {}
+
+
+def splitmix64(x: int) -> int:
+    """The SplitMix64 output for state ``x`` (Steele et al.), on Python ints: the keys' generator."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >> 63 else x
+
+
+def _word_keys(device: torch.device) -> Tensor:
+    """The odd 64-bit key of each word position in a chunk: ``splitmix64(j) | 1``, computed in torch
+    with wrapping int64 arithmetic (logical shifts masked), once per device."""
+    if device not in _keys:
+        z = torch.arange(_WORDS, dtype=torch.int64, device=device) + _signed(0x9E3779B97F4A7C15)
+        for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+            z = (z ^ ((z >> shift) & ((1 << (64 - shift)) - 1))) * _signed(mult)
+        _keys[device] = (z ^ ((z >> 31) & ((1 << 33) - 1))) | 1
+    return _keys[device]
+
+
+def _words(chunk: Tensor) -> Tensor:
+    """A contiguous 1-D tensor's bytes as little-endian int64 words, zero-padded to a whole word."""
+    raw = chunk.view(torch.uint8)
+    if raw.numel() % 8 or raw.storage_offset() % 8:
+        padded = torch.zeros(-(-raw.numel() // 8) * 8, dtype=torch.uint8, device=raw.device)
+        padded[: raw.numel()] = raw
+        raw = padded
+    return raw.view(torch.int64)
+
+
 @torch.no_grad()
-def tensor_checksum(tensor: Tensor, dtype: torch.dtype | None = None) -> Checksum:
-    """(elements, sum, sum of squares) of ``tensor``'s values cast to ``dtype`` (the engine's), in float64."""
-    values = tensor.detach()
-    if dtype is not None and values.dtype != dtype:
-        values = values.to(dtype)
-    values = values.double()
-    return values.numel(), float(values.sum()), float(values.square().sum())
+def tensor_fingerprint(tensor: Tensor, dtype: torch.dtype | None = None) -> Fingerprint:
+    """``(dtype name, elements, hash)`` of the exact bytes of ``tensor`` cast to ``dtype`` (the
+    engine's; the cast is the one a sync does, so the bytes are those the engine was sent).
+
+    The bytes are read as 64-bit words ``w``; word ``j`` of chunk ``c`` adds
+    ``M_c * mix(w, K_j)`` to the hash, mod 2^64, where ``mix(w, K) = ((z ^ (z >>> 32)) * K)`` for
+    ``z = w * K``, ``K_j = splitmix64(j) | 1`` and ``M_c = splitmix64(2^63 + c) | 1``. Every step of
+    ``mix`` is a bijection of ``w`` (odd multipliers, a xor-shift), so a change confined to one word
+    (any single bit, any single element) always changes the hash; several changed words cancel only
+    by chance, about one in 2^33 at worst (two top bits flipped), 2^-64 typically. The xor-shift is
+    what makes high bits count: without it flipping bit 63 of any two words would cancel exactly.
+    Vectorised over chunks of 2^18 words (each chunk cast on its own: no copy of a whole tensor);
+    the chunks' sums come back in one transfer, so it runs as well on an accelerator.
+    """
+    flat = tensor.detach().reshape(-1)
+    dtype = dtype or flat.dtype
+    per = _WORDS * 8 // dtype.itemsize  # elements per chunk: a whole number of words
+    keys = _word_keys(flat.device) if flat.numel() else None
+    sums = []
+    for start in range(0, flat.numel(), per):
+        part = flat[start: start + per]
+        w = _words(part.to(dtype) if part.dtype != dtype else part)
+        k = keys[: w.numel()]
+        z = w * k
+        z ^= (z >> 32).bitwise_and_(_LOW32)
+        z *= k
+        sums.append(z.sum())
+    total = 0
+    for c, s in enumerate(torch.stack(sums).tolist() if sums else []):
+        total += (s & _MASK64) * (splitmix64((1 << 63) + c) | 1)
+    return str(dtype).removeprefix("torch."), flat.numel(), total & _MASK64
 
 
-def weight_checksums(named: Iterable[tuple[str, Tensor]], dtypes: Mapping[str, str] | None = None
-                     ) -> dict[str, Checksum]:
-    """``tensor_checksum`` of each named tensor, cast to ``dtypes[name]`` (a torch dtype's name) when given."""
-    return {name: tensor_checksum(t, None if dtypes is None or name not in dtypes else getattr(torch, dtypes[name]))
+def weight_fingerprints(named: Iterable[tuple[str, Tensor]], dtypes: Mapping[str, str] | None = None
+                        ) -> dict[str, Fingerprint]:
+    """``tensor_fingerprint`` of each named tensor, cast to ``dtypes[name]`` (a torch dtype's name) when given."""
+    return {name: tensor_fingerprint(t, None if dtypes is None or name not in dtypes else getattr(torch, dtypes[name]))
             for name, t in named}
 
 
-def add_checksums(parts: Iterable[Checksum]) -> Checksum:
-    """The checksum of the concatenation of tensors (a fused tensor's parts, or a tensor's shards)."""
-    n, s, q = 0, 0.0, 0.0
-    for pn, ps, pq in parts:
-        n, s, q = n + pn, s + ps, q + pq
-    return n, s, q
-
-
-def checksums_match(a: Checksum, b: Checksum, rtol: float = 1e-7) -> bool:
-    """Equal element counts and sums equal up to float64 summation order: the tolerance scales with
-    the root of (elements x sum of squares), the bound on |sum| (Cauchy-Schwarz)."""
-    if a[0] != b[0]:
-        return False
-    scale = math.sqrt(max(a[0] * max(a[2], b[2]), 0.0)) + 1e-30
-    return abs(a[1] - b[1]) <= rtol * scale and abs(a[2] - b[2]) <= rtol * (max(a[2], b[2]) + 1e-30)
-
-
-def compare_checksums(trainer: Mapping[str, Checksum], engine: Mapping[str, Checksum],
-                      rtol: float = 1e-7) -> dict[str, list[str]]:
-    """Names, sorted, of the tensors that ``differ``, that the engine lacks (``missing``) or that only
-    the engine has (``unexpected``)."""
+def compare_fingerprints(trainer: Mapping[str, Fingerprint], engine: Mapping[str, Fingerprint]) -> dict[str, list[str]]:
+    """Names, sorted, of the tensors that ``differ`` (in any byte, or in dtype or size), that the
+    engine lacks (``missing``) or that only the engine has (``unexpected``)."""
     return {
-        "differ": sorted(n for n in trainer.keys() & engine.keys() if not checksums_match(trainer[n], engine[n], rtol)),
+        "differ": sorted(n for n in trainer.keys() & engine.keys() if tuple(trainer[n]) != tuple(engine[n])),
         "missing": sorted(trainer.keys() - engine.keys()),
         "unexpected": sorted(engine.keys() - trainer.keys()),
     }

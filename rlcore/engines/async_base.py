@@ -149,7 +149,7 @@ class AsyncEngine(ABC):
     def num_running(self) -> int:
         """Requests admitted and not finished: the engine's load, for routing."""
 
-    async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]] | None:
+    async def weight_checksums(self) -> dict[str, tuple[str, int, int]] | None:
         """As ``Engine.weight_checksums``: the weights this engine samples with, for the consistency
         check; None where it cannot report them."""
         return None

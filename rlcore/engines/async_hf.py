@@ -390,7 +390,7 @@ class AsyncHFEngine(AsyncEngine):
         return {"engine/weight_update_s": time.perf_counter() - update["start"],
                 "engine/policy_version": float(self.policy_version)}
 
-    async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
+    async def weight_checksums(self) -> dict[str, tuple[str, int, int]]:
         # read-only while the engine thread decodes; an update in progress would be a mix, refused
         if self._update is not None:
             raise RuntimeError("weight_checksums during a weight update")

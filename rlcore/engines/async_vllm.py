@@ -207,7 +207,7 @@ class AsyncVLLMEngine(AsyncEngine):
                 "engine/weight_bytes": float(u["bytes"]), "engine/peak_bucket_bytes": float(u["peak"]),
                 "engine/policy_version": float(self.policy_version)}
 
-    async def weight_checksums(self) -> dict[str, tuple[str, int, float, float] | None] | None:
+    async def weight_checksums(self) -> dict[str, tuple[str, int, int] | None] | None:
         """Read back in vLLM's worker (``BucketLoader.weight_checksums``, ``rlcore.engines.vllm_checksums``):
         ``None`` for a name whose layer keeps only a packed CPU kernel, ``None`` overall for a layout not mapped."""
         if self._update is not None:

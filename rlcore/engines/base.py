@@ -222,9 +222,9 @@ class Engine(ABC):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace the policy weights (HF parameter names, any dtype) in place."""
 
-    def weight_checksums(self) -> dict[str, tuple[str, int, float, float] | None] | None:
-        """{HF name: (dtype name, elements, sum, sum of squares)} of the weights this engine samples
-        with (``rlcore.algos.consistency``), for the consistency check to compare with the trainer's;
+    def weight_checksums(self) -> dict[str, tuple[str, int, int] | None] | None:
+        """{HF name: (dtype name, elements, hash of the bytes)} of the weights this engine samples
+        with (``rlcore.algos.consistency.tensor_fingerprint``), for the consistency check to compare with the trainer's;
         an entry None for a tensor the engine keeps in a form it cannot read back (a packed CPU matmul
         kernel: counted, not compared); None from an engine that cannot read its weights back under
         the trainer's names."""

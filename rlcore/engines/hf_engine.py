@@ -37,7 +37,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rlcore.algos.consistency import tensor_checksum
+from rlcore.algos.consistency import Fingerprint, tensor_fingerprint
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
 from rlcore.engines.probe import hf_probe_log_probs
 from rlcore.engines.routing import assemble_hf_routing
@@ -226,9 +226,8 @@ class HFEngine(Engine):
         check_weight_names(set(self.model.state_dict()), state_dict)
         self.load_partial(state_dict.items())
 
-    def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
-        return {name: (str(t.dtype).removeprefix("torch."), *tensor_checksum(t))
-                for name, t in self.model.state_dict().items()}
+    def weight_checksums(self) -> dict[str, Fingerprint]:
+        return {name: tensor_fingerprint(t) for name, t in self.model.state_dict().items()}
 
     def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any]:
         return hf_probe_log_probs(self.model, ids, self.device)

@@ -91,7 +91,7 @@ class EngineServer:
     async def finish_update(self) -> dict[str, float]:
         return await self.engine.finish_update()
 
-    async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
+    async def weight_checksums(self) -> dict[str, tuple[str, int, int]]:
         return await self.engine.weight_checksums()
 
     async def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any] | None:
@@ -278,7 +278,7 @@ class RemoteEngine(AsyncEngine):
     async def stats(self) -> dict[str, float]:
         return await self._call("stats")
 
-    async def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
+    async def weight_checksums(self) -> dict[str, tuple[str, int, int]]:
         return await self._call("weight_checksums")
 
     async def probe_log_probs(self, ids: Sequence[int]) -> dict[str, Any] | None:

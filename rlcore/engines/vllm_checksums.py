@@ -1,7 +1,7 @@
 """The consistency check's read-back of a vLLM engine's weights, under the trainer's HF names.
 
 Runs inside vLLM's worker (``collective_rpc``), next to the model, and returns only numbers:
-``{HF name: (dtype name, elements, sum, sum of squares)}`` (``rlcore.algos.consistency``), and
+``{HF name: (dtype name, elements, hash of the bytes)}`` (``rlcore.algos.consistency.tensor_fingerprint``), and
 ``None`` for a name whose weight the engine does not keep. Why the split: on vLLM's CPU build a
 packed matmul layer keeps no weight tensor, only a oneDNN handle packed from it, and there is no
 reading it back; such a name is *unreadable*, which the check counts and leaves out of the
@@ -21,18 +21,18 @@ from __future__ import annotations
 
 import torch
 
-from rlcore.algos.consistency import tensor_checksum
+from rlcore.algos.consistency import Fingerprint, tensor_fingerprint
 
-EngineChecksums = dict[str, tuple[str, int, float, float] | None]
+EngineChecksums = dict[str, Fingerprint | None]
 
 
-def _entry(tensor: torch.Tensor) -> tuple[str, int, float, float]:
-    return (str(tensor.dtype).removeprefix("torch."), *tensor_checksum(tensor))
+def _entry(tensor: torch.Tensor) -> Fingerprint:
+    return tensor_fingerprint(tensor)
 
 
 @torch.no_grad()
 def engine_checksums(model: torch.nn.Module) -> EngineChecksums | None:
-    """Checksums of ``model``'s weights by HF name (``None`` for an unreadable one), or ``None`` when
+    """Fingerprints of ``model``'s weights by HF name (``None`` for an unreadable one), or ``None`` when
     the model's layout is one this does not map (see the module docstring)."""
     from vllm.model_executor.layers.linear import LinearBase
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding

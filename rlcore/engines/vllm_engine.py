@@ -172,7 +172,7 @@ class VLLMEngine(Engine):
         self.last_sync_path, self.last_pack_s, self.weight_layouts = self.llm.collective_rpc(reload)[0]
         self.llm.reset_prefix_cache()
 
-    def weight_checksums(self) -> dict[str, tuple[str, int, float, float] | None] | None:
+    def weight_checksums(self) -> dict[str, tuple[str, int, int] | None] | None:
         """Read back in vLLM's worker (``rlcore.engines.vllm_checksums``): ``None`` for a name whose
         layer keeps only a packed CPU kernel (unreadable), ``None`` overall for a layout not mapped."""
         return self.llm.collective_rpc(lambda worker: engine_checksums(worker.model_runner.get_model()))[0]

@@ -2,15 +2,18 @@
 
 Measured every step at no extra forward pass (``rlcore.workers.mismatch``: the ``check/*`` metrics
 of the actor's update), plus, every ``trainer.check.weight_checksum_freq`` steps, at step 1 and
-on the step a log-prob band is first left (once per excursion), a checksum of every engine's weights against the trainer's
-(``rlcore.algos.consistency``). Rewards that are NaN or infinite are refused by name
+on the step a log-prob band is first left (once per excursion), an exact fingerprint of every
+engine tensor against the trainer's (``rlcore.algos.consistency.tensor_fingerprint``), and once
+before the first step (``start``). Rewards that are NaN or infinite are refused by name
 (``check_rewards``), never turned into numbers.
 
 When a measure leaves its band the run warns once per cause, naming the likely one from what was
 measured, in this order (docs/correctness.md, "Consistency check"):
 
-1. weights: tensors whose checksum differs from the trainer's. All of them: the engine was not
-   synced; some: a partial sync (a bucket skipped or failed to load), naming the tensors.
+1. weights: tensors whose fingerprint differs from the trainer's, judged by what the engine holds
+   instead (``rlcore.trainer.weight_versions``): an older step's weights whole, not synced; older
+   weights in some layers only, a partial sync (a bucket skipped or failed to load), naming the
+   layers; weights of no version known, a corrupted or failed load.
    With them, the end-to-end probe (``rlcore.trainer.probe_check``): a fixed sequence scored by the
    engine and the trainer; out of its band while the tensors read back match: weights the engine
    keeps packed (or cannot hand back at all) differ from the trainer's.
@@ -37,10 +40,10 @@ from typing import Any, Protocol
 
 import torch
 
-from rlcore.algos.consistency import compare_checksums
-from rlcore.engines.weights import layer_of
+from rlcore.algos.consistency import compare_fingerprints
 from rlcore.protocol import DataProto
 from rlcore.trainer.probe_check import ProbeCheck, coverage, probe_diagnosis, probe_only_note
+from rlcore.trainer.weight_versions import EngineVerdict, KnownVersions, classify, layers_named, weights_cause
 from rlcore.workers.mismatch import CheckConfig
 
 ONE_SIDED = 0.9  # |mean of d| / mean of |d| above this: the same sign on (nearly) every token
@@ -65,6 +68,9 @@ class WeightReport:
     engine_dtype: str | None
     trainer_dtype: str | None
     unreadable: list[str] = field(default_factory=list)  # on some engine, kept only packed: not compared
+    verdicts: list[EngineVerdict] | None = None  # per engine, what it holds instead (None: no version known)
+    known_steps: list[int] = field(default_factory=list)  # the older versions it was judged against
+    start: int | None = None  # the step of the run's starting version
 
     @property
     def ok(self) -> bool:
@@ -73,29 +79,37 @@ class WeightReport:
     def metrics(self) -> dict[str, float]:
         out = {"check/weights_mismatch": float(len(self.differ) + len(self.missing)),
                "check/weights_checked": float(self.tensors)}
+        if self.verdicts is not None and not self.ok:
+            out["check/weights_stale"] = float(len({n for v in self.verdicts for n in v.stale}))
         if self.unreadable:
             out["check/weights_unreadable"] = float(len(self.unreadable))
         return out
 
 
-def compare_weights(step: int, trainer: dict[str, Any], engines: Sequence[dict[str, tuple]]) -> WeightReport:
-    """``trainer``: the actor's ``weight_checksums`` reply; ``engines``: each engine's checksums."""
+def compare_weights(step: int, trainer: dict[str, Any], engines: Sequence[dict[str, tuple]],
+                    known: KnownVersions | None = None) -> WeightReport:
+    """``trainer``: the actor's ``weight_checksums`` reply; ``engines``: each engine's fingerprints;
+    ``known``: older versions to judge differing tensors by (``rlcore.trainer.weight_versions``)."""
     where: dict[str, list[int]] = {}
     missing: set[str] = set()
+    older = known.before(step) if known is not None else {}
+    verdicts = []
     # an entry None: the engine keeps that tensor only in a form it cannot read back (vLLM's packed
     # CPU matmul kernels); it is neither compared nor missing, only counted
     unreadable = {name for engine in engines for name, c in engine.items() if c is None}
     for i, engine in enumerate(engines):
-        readable = {name: tuple(c[1:]) for name, c in engine.items() if c is not None}
-        compared = {name: c for name, c in trainer["tensors"].items() if name not in unreadable}
-        found = compare_checksums(compared, readable)
+        readable = {name: tuple(c) for name, c in engine.items() if c is not None}
+        compared = {name: tuple(c) for name, c in trainer["tensors"].items() if name not in unreadable}
+        found = compare_fingerprints(compared, readable)
         for name in found["differ"]:
             where.setdefault(name, []).append(i)
         missing.update(found["missing"])
+        verdicts.append(classify(compared, readable, found["differ"], older))
     dtypes = Counter(c[0] for engine in engines for c in engine.values() if c is not None)
     return WeightReport(step, len(trainer["tensors"].keys() - unreadable), sorted(where), sorted(missing), where,
                         dtypes.most_common(1)[0][0] if dtypes else None, trainer.get("dtype"),
-                        sorted(unreadable & trainer["tensors"].keys()))
+                        sorted(unreadable & trainer["tensors"].keys()), verdicts if older else None, sorted(older),
+                        known.start if known is not None else None)
 
 
 def diagnose(m: dict[str, float], weights: WeightReport | None,
@@ -103,19 +117,7 @@ def diagnose(m: dict[str, float], weights: WeightReport | None,
     """(cause key, message) for measures out of band: see the module docstring for the order.
     ``weights``: this step's comparison, if one ran; ``dtypes``: (engine, trainer) as last reported."""
     if weights is not None and not weights.ok:
-        bad = weights.differ + weights.missing
-        units = Counter(layer_of(name) for name in bad)  # a bucket keeps a decoder layer whole
-        shown = "; ".join(f"{unit}.* ({count})" if count > 1 else unit for unit, count in units.items())
-        shown += " - e.g. " + ", ".join(bad[:3])
-        engines = sorted({i for hit in weights.where.values() for i in hit})
-        shown += f"; on engine(s) {engines}" if engines else ""
-        if len(bad) >= weights.tensors:
-            return "weights_not_synced", (f"weights not synced: all {weights.tensors} tensors of the engine differ from "
-                                          f"the trainer's (checked at step {weights.step}); the engine samples with "
-                                          "old weights (a missing or failed sync after an update)")
-        return "weights_partial", (f"weights partly synced: {len(bad)} of {weights.tensors} tensors differ from the "
-                                   f"trainer's on the engine ({shown}; checked at step {weights.step}): a weight "
-                                   "bucket was skipped or failed to load")
+        return weights_cause(weights)  # not synced, partly synced or unknown weights: rlcore.trainer.weight_versions
     key = "check/logprob_abs_diff_mean"
     abs_mean, signed = m.get(key, 0.0), m.get("check/logprob_diff_mean", 0.0)
     if abs_mean > 0 and abs(signed) >= ONE_SIDED * abs_mean:
@@ -219,6 +221,21 @@ class ConsistencyCheck:
         self._out = False  # the last step left a band
         self._unsupported: str | None = None
         self._said_unreadable = False
+        self.known = KnownVersions()  # the weights engines were meant to hold at the start and at recent checks
+
+    def start(self, step: int) -> None:
+        """Before the first step (``step``: 0, or a resumed run's): fingerprint the engines' weights
+        and the trainer's, so that a later comparison can tell an engine still holding them (not
+        synced) from one holding weights of no known version; a difference already now is warned."""
+        if not (self.cfg.enable and self.cfg.weight_checksum_freq > 0 and self.can_check_weights()):
+            return
+        report = self.check_weights(step, start=True)
+        if report is not None and not report.ok:
+            bad = report.differ + report.missing
+            self.report(step, "weights_start", f"the engine's weights differ from the trainer's before step "
+                        f"{step + 1}: {len(bad)} of {report.tensors} tensors ({layers_named(bad)}): the engine "
+                        "loaded other weights than the trainer (another checkpoint or revision, or a resumed run "
+                        "whose engine was not synced)")
 
     def watch(self, engines: Callable[[], list[dict]], probe: ProbeCheck | None = None) -> None:
         """Compare ``engines`` from now on; a ``probe`` is calibrated here: call it while the engines
@@ -277,9 +294,10 @@ class ConsistencyCheck:
     def can_check_weights(self) -> bool:
         return self.actor is not None and self.engines is not None and self._unsupported is None
 
-    def check_weights(self, step: int) -> WeightReport | None:
-        """Compare every engine's weights with the trainer's now (``last_weights``); None when the
-        engines cannot report checksums (said once, then off for the run)."""
+    def check_weights(self, step: int, start: bool = False) -> WeightReport | None:
+        """Compare every engine's weights with the trainer's now (``last_weights``), judged against the
+        versions remembered (``known``), then remember the trainer's as step ``step``'s; None when the
+        engines cannot report fingerprints (said once, then off for the run)."""
         engines = self.engines()
         if any(engine is None for engine in engines):  # an engine whose weights have no HF names to compare
             self._unsupported = "the rollout engine does not report weight checksums"
@@ -289,8 +307,9 @@ class ConsistencyCheck:
         dtypes = {name: c[0] for name, c in engines[0].items() if c is not None} if engines else {}
         trainer = self.actor.weight_checksums(dtypes)
         trainer = trainer[0] if isinstance(trainer, list) else trainer
-        self.last_weights = compare_weights(step, trainer, engines)
-        self._elements = {name: int(c[0]) for name, c in trainer["tensors"].items()}
+        self.last_weights = compare_weights(step, trainer, engines, self.known)
+        self.known.remember(step, trainer["tensors"], start=start)
+        self._elements = {name: int(c[1]) for name, c in trainer["tensors"].items()}  # (dtype, elements, hash)
         unread = len(self.last_weights.unreadable)
         if unread and not self._said_unreadable and self.probe is not None:
             self._said_unreadable = True

@@ -185,6 +185,7 @@ class TrainingRun:
         if self.start_step == 0 and t.val_before_train and t.val_freq:
             phase("validating the starting model (step 0; the first generate also warms the engine up)")
             self.tracker.log(self.validate(), step=0)
+        self.check.start(self.start_step)  # the weights engines start from: what a missed sync leaves them holding
         phase(f"training: steps {self.start_step + 1} to {t.total_steps}")
         for step in range(self.start_step + 1, t.total_steps + 1):
             self._stop_if_asked(step - 1)

@@ -34,7 +34,7 @@ import torch
 from omegaconf import DictConfig
 from transformers import AutoModelForCausalLM
 
-from rlcore.algos.consistency import weight_checksums
+from rlcore.algos.consistency import weight_fingerprints
 from rlcore.algos.importance import compute_is_weights
 from rlcore.algos.kl import kl_penalty
 from rlcore.algos.losses import LossScale, PolicyLossInput, agg_loss, get_policy_loss
@@ -286,17 +286,18 @@ class ActorWorker(FSDPTrainWorker):
 
     @register(Dispatch.COLLECTIVE_RANK_ZERO)
     def weight_checksums(self, dtypes: dict[str, str] | None = None) -> dict[str, Any]:
-        """What an engine should hold (the consistency check): ``{"tensors": {HF name: (elements, sum,
-        sum of squares)}}`` of the weights ``get_full_state_dict`` would hand it, each cast to
-        ``dtypes[name]`` (the engine's), and ``"dtype"``, the one the log-probs are computed in.
-        Gathered one parameter at a time, as ``push_weights`` does; rank 0's answer."""
+        """What an engine should hold (the consistency check): ``{"tensors": {HF name: (dtype, elements,
+        hash)}}``, the ``tensor_fingerprint`` of each weight ``get_full_state_dict`` would hand it, cast
+        to ``dtypes[name]`` (the engine's: the bytes the engine holds after the sync's copy), and
+        ``"dtype"``, the one the log-probs are computed in. Gathered one parameter at a time, as
+        ``push_weights`` does (no copy of the model); rank 0's answer."""
         tensors = iter_full_tensors(self.module)
         if self.rank != 0:
             for _ in tensors:  # the same gathers in the same order as rank 0
                 pass
             return {}
         dtype = self.compute_dtype or str(next(self.module.parameters()).dtype).removeprefix("torch.")
-        return {"tensors": weight_checksums(self.engine_weights(tensors), dtypes), "dtype": dtype}
+        return {"tensors": weight_fingerprints(self.engine_weights(tensors), dtypes), "dtype": dtype}
 
     @register(Dispatch.ONE_TO_ALL)
     def probe_log_probs(self, ids: list[int]) -> dict[str, Any]:

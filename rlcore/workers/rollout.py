@@ -175,7 +175,7 @@ class RolloutWorker(Worker):
         return {"rollout/weight_sync_s": time.perf_counter() - start}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def weight_checksums(self) -> dict[str, tuple[str, int, float, float]]:
+    def weight_checksums(self) -> dict[str, tuple[str, int, int]]:
         """This rank's engine's ``Engine.weight_checksums`` (the consistency check compares them with the actor's)."""
         return self._require_engine().weight_checksums()
 

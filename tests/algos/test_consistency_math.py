@@ -1,20 +1,14 @@
 """The consistency check's tensor math against hand-computed numbers: mismatch sums (bands, lags,
-turns), their exact merge over micro-batches, and additive weight checksums."""
-
-import math
+turns) and their exact merge over micro-batches. (Weight fingerprints: tests/trainer/test_weight_fingerprints.py.)"""
 
 import pytest
 import torch
 
 from rlcore.algos.consistency import (
-    add_checksums,
-    compare_checksums,
     merge_mismatch_sums,
     mismatch_metrics,
     mismatch_sums,
-    tensor_checksum,
     turn_index,
-    weight_checksums,
 )
 
 
@@ -72,31 +66,3 @@ def test_bad_band_and_no_tokens():
     with pytest.raises(ValueError, match="0 < low < 1 < high"):
         mismatch_sums(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), band=(1.1, 0.9))
     assert mismatch_metrics(mismatch_sums(torch.zeros(1, 2), torch.ones(1, 2), torch.zeros(1, 2))) == {}
-
-
-def test_checksums_add_over_parts_and_name_the_tensor_that_differs():
-    g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(4, 3, generator=g), torch.randn(2, 3, generator=g)
-    fused = tensor_checksum(torch.cat([q, k]))
-    parts = add_checksums([tensor_checksum(q), tensor_checksum(k)])
-    assert parts[0] == fused[0] and parts[1] == pytest.approx(fused[1]) and parts[2] == pytest.approx(fused[2])
-    n, s, sq = tensor_checksum(torch.tensor([1.0, -2.0, 3.0]))
-    assert (n, s, sq) == (3, 2.0, 14.0)
-
-    trainer = weight_checksums([("a", q), ("b", k)])
-    stale = k.clone()
-    stale[0, 0] += 1e-3
-    assert compare_checksums(trainer, weight_checksums([("a", q), ("b", k)])) == {"differ": [], "missing": [],
-                                                                                  "unexpected": []}
-    found = compare_checksums(trainer, weight_checksums([("a", q), ("b", stale)]))
-    assert found["differ"] == ["b"]
-    assert compare_checksums(trainer, weight_checksums([("a", q)]))["missing"] == ["b"]
-
-
-def test_checksums_in_the_engines_dtype():
-    """A bf16 engine holds the trainer's fp32 weights rounded: the trainer's checksum, cast alike, matches exactly."""
-    w = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
-    engine = weight_checksums([("w", w.to(torch.bfloat16))])
-    assert compare_checksums(weight_checksums([("w", w)], {"w": "bfloat16"}), engine)["differ"] == []
-    assert compare_checksums(weight_checksums([("w", w)]), engine)["differ"] == ["w"]
-    assert math.isfinite(engine["w"][1])

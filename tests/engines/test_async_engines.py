@@ -644,7 +644,7 @@ def test_vllm_weight_checksums_after_a_bucketed_update_equal_the_trainers(vllm_e
     """The consistency check's read-back through AsyncLLM's worker (``BucketLoader.weight_checksums``):
     after an update in buckets, every HF tensor (fused q/k/v and gate/up parts included) matches
     the trainer's checksums; a tensor of another model is named. Refused during an update."""
-    from rlcore.algos.consistency import weight_checksums
+    from rlcore.algos.consistency import weight_fingerprints as weight_checksums
     from rlcore.trainer.consistency import compare_weights
 
     original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()

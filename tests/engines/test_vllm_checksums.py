@@ -1,8 +1,8 @@
 """The consistency check's weight read-back from a vLLM engine (``rlcore.engines.vllm_checksums``),
 on one real in-process CPU engine (fp32, the tiny qwen3: fused q/k/v and gate/up, q/k norms):
 
-- plain layout: after a sync, every HF tensor's checksum, the q/k/v and gate/up parts of the fused
-  layers included, equals the trainer's (``weight_checksums``, as the actor computes it);
+- plain layout: after a sync, every HF tensor's fingerprint, the q/k/v and gate/up parts of the fused
+  layers included, equals the trainer's (``weight_fingerprints``, as the actor computes it);
 - planted faults: a sync that skipped one decoder layer's bucket is found and named by layer, and
   an engine left on the old weights shows every tensor that changed;
 - packed layout: the linear layers keep only oneDNN handles; their names come back unreadable, are
@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rlcore.algos.consistency import weight_checksums
+from rlcore.algos.consistency import weight_fingerprints
 from rlcore.engines import RolloutConfig
 from rlcore.models.config import ModelConfig
 from rlcore.models.tiny import build_tiny_model
@@ -49,7 +49,7 @@ def engine(states):
 def _trainer(state, engine_sums) -> dict:
     """The actor's ``weight_checksums`` reply for ``state``: each tensor cast to the engine's dtype."""
     dtypes = {name: c[0] for name, c in engine_sums.items() if c is not None}
-    return {"tensors": weight_checksums(state.items(), dtypes), "dtype": "float32"}
+    return {"tensors": weight_fingerprints(state.items(), dtypes), "dtype": "float32"}
 
 
 def _changed(start, new, names=None) -> list[str]:
@@ -80,9 +80,9 @@ def test_plain_layout_checksums_equal_the_trainers_for_every_tensor_fused_parts_
     assert set(new) <= set(sums) and all(sums[name] is not None for name in new)
     trainer = _trainer(new, sums)
     assert {sums[name][0] for name in new} == {"float32"}
-    for name, tensor in new.items():  # exact: the same fp32 values on both sides
+    for name, tensor in new.items():  # exact: the same fp32 bytes on both sides
         assert sums[name][1] == tensor.numel(), name
-        assert sums[name][1:] == pytest.approx(trainer["tensors"][name], rel=1e-12, abs=1e-9), name
+        assert sums[name] == trainer["tensors"][name], name
     # the parts of one fused layer differ from each other: the split is by the real offsets
     layer = "model.layers.0"
     parts = [sums[f"{layer}.self_attn.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")]
@@ -134,7 +134,7 @@ def test_packed_layout_linears_are_unreadable_counted_and_not_missing(engine, st
 
     class Actor:  # the trainer's side of the check: checksums of the weights it synced
         def weight_checksums(self, dtypes):
-            return {"tensors": weight_checksums(new.items(), dtypes), "dtype": "float32"}
+            return {"tensors": weight_fingerprints(new.items(), dtypes), "dtype": "float32"}
 
     out = io.StringIO()
     check = ConsistencyCheck(CheckConfig(), Actor(), lambda: [engine.weight_checksums()], out)
