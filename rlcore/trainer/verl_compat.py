@@ -106,8 +106,18 @@ def _has_key(sections: Sequence[str], dotted: str) -> bool:
 
 def translate_overrides(overrides: Sequence[str], sections: Sequence[str]) -> tuple[list[str], list[str]]:
     """(the overrides with verl's keys rewritten to rlcore's, one note per rewritten key). Raises
-    ``ConfigError`` for a verl key rlcore has no counterpart for, naming what to set instead."""
-    out, notes, reward_path, reward_name = [], [], None, None
+    ``ConfigError`` for the verl keys rlcore has no counterpart for (all of them, a line each), naming what to
+    set instead."""
+    out, notes, refused = translate_overrides_collecting(overrides, sections)
+    if refused:
+        raise ConfigError("\n".join(refused))
+    return out, notes
+
+
+def translate_overrides_collecting(overrides: Sequence[str],
+                                   sections: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """``translate_overrides``, the refused keys returned (a line each, left out of the overrides)."""
+    out, notes, refused, reward_path, reward_name = [], [], [], None, None
     for arg in overrides:
         match = OVERRIDE.match(arg)
         if not match or _has_key(sections, match.group(2)) or not match.group(2).startswith(VERL_PREFIXES):
@@ -129,21 +139,23 @@ def translate_overrides(overrides: Sequence[str], sections: Sequence[str]) -> tu
             if reason is None and not key.startswith(("actor_rollout_ref.", "custom_reward_function.")):
                 out.append(arg)  # not a verl key rlcore knows of: Hydra's own error names it
                 continue
-            raise ConfigError(f"{key} is verl's key, which rlcore has no counterpart for: "
-                              f"{reason or 'see docs/recipes.md, Coming from verl, for the keys rlcore maps'}")
+            refused.append(f"{key} is verl's key, which rlcore has no counterpart for: "
+                           f"{reason or 'see docs/recipes.md, Coming from verl, for the keys rlcore maps'}")
+            continue
         if target.partition(".")[0] not in sections:
-            raise ConfigError(f"{key} is verl's name for {target}, which this recipe does not read "
-                              f"(its sections: {', '.join(sections)})")
+            refused.append(f"{key} is verl's name for {target}, which this recipe does not read "
+                           f"(its sections: {', '.join(sections)})")
+            continue
         out.append(f"{target}={value}")
         notes.append(f"verl key {key} -> rlcore key {target}")
     if reward_name is not None and reward_path is None:
-        raise ConfigError("custom_reward_function.name needs custom_reward_function.path (rlcore: "
-                          "reward.reward_fn=<file.py>:<function>)")
+        refused.append("custom_reward_function.name needs custom_reward_function.path (rlcore: "
+                       "reward.reward_fn=<file.py>:<function>)")
     if reward_path is not None:
         fn = f"{reward_path}:{reward_name or 'compute_score'}"  # verl's default function name
         out.append(f"reward.reward_fn={fn}")
         notes.append(f"verl keys custom_reward_function.path/name -> rlcore key reward.reward_fn={fn}")
-    return out, notes
+    return out, notes, refused
 
 
 def _same_leaf(key: str, sections: Sequence[str]) -> str | None:
