@@ -37,6 +37,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
+from rlcore.trainer import prompt_format
 from rlcore.trainer.run_checkpoint import HF_DIR, STATE_FILE, find_latest_checkpoint
 from rlcore.trainer.warmstart import warm_start
 from rlcore.workers import fsdp_utils
@@ -132,6 +133,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, *, 
         group.export_hf(str(out))
     finally:
         group.shutdown()
+    prompt_format.record(cfg, out)  # as the run's own exports: evaluate renders prompts as the run did
     return out
 
 
