@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -123,6 +124,7 @@ def init_ray(cfg: DictConfig) -> None:
 
     if ray.is_initialized():
         return
+    quiet_token_notice()
     t = cfg.trainer
     address = t.ray_address or os.environ.get("RAY_ADDRESS")
     options = {"include_dashboard": False, "configure_logging": False,
@@ -137,6 +139,25 @@ def init_ray(cfg: DictConfig) -> None:
     exit_during_startup()  # Ray's own SIGTERM handler exits with 15; the run's loop installs its own later
     phase(f"Ray ready ({'cluster at ' + address if address and address != 'local' else 'a local instance'}); "
           "starting the worker processes")
+
+
+RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_TOKEN_NOTICE)
+
+
+def quiet_token_notice() -> None:
+    """Drop Ray's "Token authentication is enabled for this Ray cluster ..." warning, which every
+    ``ray.init`` of a local instance logs: it reports Ray's default (token auth on), asks nothing of the
+    user, and is the only Ray line of a run's start-up. A filter on the logger that emits it, so that
+    Ray's other warnings (its "Token authentication is disabled" one among them) still show."""
+    logger = logging.getLogger(RAY_TOKEN_LOGGER)
+    if not any(isinstance(f, _DropTokenNotice) for f in logger.filters):
+        logger.addFilter(_DropTokenNotice())
 
 
 LOOPBACK_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
