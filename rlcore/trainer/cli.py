@@ -63,12 +63,12 @@ def override_problems(args: Sequence[str], sections: Sequence[str]) -> list[str]
     """A line for each ``section.key=value`` whose key the section does not have (with the closest key), or
     whose value its type refuses (``actor.lr=abc``). Hydra's own overrides (``hydra.*``, a config group
     such as ``preset=smollm2``, ``+key``/``~key``, sweeps, interpolations) are left to Hydra."""
-    try:
-        parsed = OverridesParser.create().parse_overrides(list(args))
-    except Exception:  # noqa: BLE001 - a malformed override: Hydra's own message names it
-        return []
-    problems = []
-    for override in parsed:
+    parser, problems = OverridesParser.create(), []
+    for arg in args:
+        try:
+            [override] = parser.parse_overrides([arg])
+        except Exception:  # noqa: BLE001 - a flag (--cfg job) or a malformed override: Hydra's own
+            continue
         section, _, rest = override.key_or_group.partition(".")
         if override.type != OverrideType.CHANGE or override.package or section not in sections or not rest:
             continue
