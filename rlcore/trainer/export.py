@@ -36,6 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlcore.errors import UserError
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.trainer import prompt_format
 from rlcore.trainer.run_checkpoint import HF_DIR, STATE_FILE, find_latest_checkpoint
@@ -49,7 +50,7 @@ HYDRA_CONFIG = Path("hydra") / "config.yaml"  # what Hydra writes there (recipes
 EXPORTED_ROLES = ("actor", "rm")  # the first one a run trains is exported: the policy, else the reward model
 
 
-class NotACheckpointError(FileNotFoundError):
+class NotACheckpointError(UserError, FileNotFoundError):
     """The path given is not a complete checkpoint, or lacks what the export needs."""
 
 

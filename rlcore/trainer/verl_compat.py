@@ -5,7 +5,8 @@ A verl user's muscle memory (``actor_rollout_ref.actor.optim.lr=1e-6``,
 meet Hydra's generic "Could not override ... append with +" error, which names neither the cause
 (another framework's key) nor the fix. Hydra refuses an unknown key while composing, before any
 recipe code runs, so the translation works on the override strings themselves: each recipe's
-``__main__`` calls ``translate_sys_argv(SECTIONS)`` before ``main()``.
+``__main__`` calls ``rlcore.trainer.cli.prepare_argv(SECTIONS)`` before ``main()``, which lists every
+refused key at once (``translate_overrides_collecting``).
 
 An override is left alone when it is already a key of the recipe's config (``data.train_batch_size``,
 ``algorithm.adv_estimator``: verl and rlcore share those names and meanings). Otherwise a verl key
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import typing
 from collections.abc import Sequence
 
@@ -164,16 +164,3 @@ def _same_leaf(key: str, sections: Sequence[str]) -> str | None:
             target = f"{section}.{key[len(prefix):]}"
             return target if _has_key(sections, target) else None
     return None
-
-
-def translate_sys_argv(sections: Sequence[str]) -> None:
-    """Rewrite ``sys.argv``'s verl keys in place (module docstring), printing a note per key; a refused
-    key ends the process with its message (exit code 2, as for a bad argument)."""
-    try:
-        args, notes = translate_overrides(sys.argv[1:], sections)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    sys.argv[1:] = args
