@@ -36,9 +36,15 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 
 
 def close_file(path: str | os.PathLike) -> str:
-    """The hint for a missing ``path``: the closest name in its folder, or that the folder is missing."""
+    """' (<hint>)' for a missing ``path`` (``missing_path_hint``), or '' when there is none."""
+    hint = missing_path_hint(path)
+    return f" ({hint})" if hint else ""
+
+
+def missing_path_hint(path: str | os.PathLike) -> str:
+    """The closest name in a missing ``path``'s folder ('did you mean ...?'), or that the folder is missing."""
     folder, name = os.path.split(os.path.abspath(path))
     if not os.path.isdir(folder):
-        return f" (the folder {folder} does not exist)"
+        return f"the folder {folder} does not exist"
     close = difflib.get_close_matches(name, sorted(os.listdir(folder)), n=1, cutoff=0.6)
-    return f" (did you mean {os.path.join(folder, close[0])}?)" if close else ""
+    return f"did you mean {os.path.join(folder, close[0])}?" if close else ""
