@@ -31,10 +31,10 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from rlcore.agentic import EpisodeSpec, start_runners
+from rlcore.trainer.cli import prepare_argv, user_errors
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.streamed_grpo import train_on_streamed_episodes
-from rlcore.trainer.verl_compat import translate_sys_argv
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "env", "agentic", "trainer")
 register_schema("agentic_grpo_schema", SECTIONS)
@@ -63,10 +63,11 @@ def episode_metrics(played: list, version: int) -> dict[str, float]:
 
 
 @hydra.main(config_path="config", config_name="agentic_grpo", version_base=None)
+@user_errors  # a user's mistake: its message and exit status 2, no traceback (rlcore.trainer.cli)
 def main(cfg: DictConfig) -> None:
     train(cfg)
 
 
 if __name__ == "__main__":
-    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
+    prepare_argv(SECTIONS)  # verl's key names rewritten, unknown or refused keys named, --debug
     main()

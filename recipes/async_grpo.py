@@ -30,11 +30,11 @@ from rlcore.agentic import AsyncRolloutLoop, ReplayBuffer
 from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_rollout_group, build_workers
+from rlcore.trainer.cli import prepare_argv, user_errors
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.consistency import stamp_row_versions
 from rlcore.trainer.loop import TrainingRun, probe_check
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.trainer.verl_compat import translate_sys_argv
 from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "replay", "trainer")
@@ -102,10 +102,11 @@ def train(cfg: DictConfig) -> TrainingRun:
 
 
 @hydra.main(config_path="config", config_name="async_grpo", version_base=None)
+@user_errors  # a user's mistake: its message and exit status 2, no traceback (rlcore.trainer.cli)
 def main(cfg: DictConfig) -> None:
     train(cfg)
 
 
 if __name__ == "__main__":
-    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
+    prepare_argv(SECTIONS)  # verl's key names rewritten, unknown or refused keys named, --debug
     main()

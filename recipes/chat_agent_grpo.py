@@ -32,10 +32,10 @@ from omegaconf import DictConfig, OmegaConf
 from rlcore.agentic import start_runners
 from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec, load_agent
 from rlcore.agentic.chat_proxy import ChatProxyConfig
+from rlcore.trainer.cli import prepare_argv, user_errors
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.streamed_grpo import train_on_streamed_episodes
-from rlcore.trainer.verl_compat import translate_sys_argv
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "agent", "agentic", "trainer")
 register_schema("chat_agent_grpo_schema", SECTIONS)
@@ -86,10 +86,11 @@ def chat_metrics(segments: list) -> dict[str, float]:
 
 
 @hydra.main(config_path="config", config_name="chat_agent_grpo", version_base=None)
+@user_errors  # a user's mistake: its message and exit status 2, no traceback (rlcore.trainer.cli)
 def main(cfg: DictConfig) -> None:
     train(cfg)
 
 
 if __name__ == "__main__":
-    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
+    prepare_argv(SECTIONS)  # verl's key names rewritten, unknown or refused keys named, --debug
     main()

@@ -30,6 +30,7 @@ from transformers import AutoTokenizer
 from rlcore.rewards.manager import RuleRewardManager
 from rlcore.trainer.advantage import build_kl_controller, compute_advantage, compute_rewards, needs_old_log_prob
 from rlcore.trainer.builder import build_data, build_workers
+from rlcore.trainer.cli import prepare_argv, user_errors
 from rlcore.trainer.config import load_config, register_schema
 from rlcore.trainer.dapo import (
     GroupCollector,
@@ -41,7 +42,6 @@ from rlcore.trainer.dapo import (
 )
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import batch_metrics, mean_over_ranks, validate
-from rlcore.trainer.verl_compat import translate_sys_argv
 from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "actor", "rollout", "reward", "algorithm", "trainer")
@@ -100,10 +100,11 @@ def train(cfg: DictConfig) -> TrainingRun:
 
 
 @hydra.main(config_path="config", config_name="dapo", version_base=None)
+@user_errors  # a user's mistake: its message and exit status 2, no traceback (rlcore.trainer.cli)
 def main(cfg: DictConfig) -> None:
     train(cfg)
 
 
 if __name__ == "__main__":
-    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
+    prepare_argv(SECTIONS)  # verl's key names rewritten, unknown or refused keys named, --debug
     main()

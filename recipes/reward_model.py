@@ -28,11 +28,11 @@ from omegaconf import DictConfig
 from transformers import AutoTokenizer
 
 from rlcore.trainer.builder import build_workers
+from rlcore.trainer.cli import prepare_argv, user_errors
 from rlcore.trainer.config import ConfigError, load_config, register_schema
 from rlcore.trainer.learned_reward import build_pair_data, pair_metrics
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.validation import mean_over_ranks
-from rlcore.trainer.verl_compat import translate_sys_argv
 from rlcore.trainer.warmstart import warm_start
 
 SECTIONS = ("model", "warmstart", "data", "reward_model", "trainer")
@@ -60,10 +60,11 @@ def train(cfg: DictConfig) -> TrainingRun:
 
 
 @hydra.main(config_path="config", config_name="reward_model", version_base=None)
+@user_errors  # a user's mistake: its message and exit status 2, no traceback (rlcore.trainer.cli)
 def main(cfg: DictConfig) -> None:
     train(cfg)
 
 
 if __name__ == "__main__":
-    translate_sys_argv(SECTIONS)  # verl's key names: rewritten to rlcore's, or refused naming what to set
+    prepare_argv(SECTIONS)  # verl's key names rewritten, unknown or refused keys named, --debug
     main()

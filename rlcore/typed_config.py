@@ -24,10 +24,12 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from rlcore.errors import UserError, did_you_mean
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config key no section knows, a value of the wrong type, or a value out of range."""
 
 
@@ -63,7 +65,40 @@ def merge_section(cls: type, given: Any, section: str) -> DictConfig:
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "?"
         reason = str(exc).splitlines()[0]  # OmegaConf appends full_key/object_type lines
-        raise ConfigError(f"config key {section}.{key}: {reason}{_expected(cls, str(key))}") from None
+        unknown = _unknown_part(cls, str(key))
+        hint = unknown[1] if unknown else _expected(cls, str(key))
+        raise ConfigError(f"config key {section}.{key}: {reason}{hint}") from None
+
+
+def unknown_key(cls: type, key: str, section: str) -> str | None:
+    """Why ``<section>.<key>`` is no key of ``cls`` (with the closest one it has), or None when it is one,
+    or lies below a field that is no dataclass (a mapping, ``Any``: any key goes there)."""
+    unknown = _unknown_part(cls, key)
+    if unknown is None:
+        return None
+    parent = ".".join([section, *unknown[0].split(".")[:-1]])
+    return f"{section}.{unknown[0]}: no such key in {parent}{unknown[1]}"
+
+
+def _unknown_part(cls: type, key: str) -> tuple[str, str] | None:
+    """(the dotted key up to its first part ``cls`` does not have, the hint: the closest key, else the keys
+    there are), or None when every part is a key."""
+    node: Any = cls
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(node):
+            return None
+        fields = _field_types(node)
+        if part not in fields:
+            return ".".join(parts[:i + 1]), did_you_mean(part, fields) or f"; its keys: {', '.join(sorted(fields))}"
+        node = _unoptional(fields[part])
+    return None
+
+
+def _unoptional(hint: Any) -> Any:
+    """``X`` for ``X | None`` / ``Optional[X]``; any other hint as it is."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in typing.get_args(hint) else hint
 
 
 def to_section(cls: type[T], given: Any, section: str) -> T:

@@ -39,6 +39,7 @@ from rlcore.data.verl_schema import (
     verl_extra_info,
     verl_ground_truth,
 )
+from rlcore.errors import DataError, MissingFileError, close_file
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        raise MissingFileError(f"dataset file not found: {path}{close_file(path)}")
     if path.suffix in (".jsonl", ".json"):
         rows = []
         with path.open(encoding="utf-8") as f:
@@ -60,9 +61,9 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not a JSON object per line ({e})") from e
+                    raise DataError(f"{path}:{line_no}: not a JSON object per line ({e})") from e
                 if not isinstance(row, dict):
-                    raise ValueError(f"{path}:{line_no}: expected a JSON object, got "
+                    raise DataError(f"{path}:{line_no}: expected a JSON object, got "
                                      f"{type(row).__name__}")
                 rows.append(row)
         columns = sorted({k for row in rows for k in row})
@@ -70,7 +71,7 @@ def read_records(path: str | Path) -> tuple[list[dict[str, Any]], list[str]]:
     if path.suffix == ".parquet":
         table = pq.read_table(path)
         return table.to_pylist(), table.column_names
-    raise ValueError(f"unsupported dataset file type {path.suffix!r} for {path}; "
+    raise DataError(f"unsupported dataset file type {path.suffix!r} for {path}; "
                      f"use .jsonl, .json (JSON lines) or .parquet")
 
 
@@ -90,7 +91,7 @@ def first_record(path: str | Path) -> dict[str, Any]:
     pre-flight check reads to find a missing file, a wrong format or a missing column at once."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        raise MissingFileError(f"dataset file not found: {path}{close_file(path)}")
     if path.suffix in (".jsonl", ".json"):
         with path.open(encoding="utf-8") as f:
             for line_no, line in enumerate(f, start=1):
@@ -98,20 +99,20 @@ def first_record(path: str | Path) -> dict[str, Any]:
                     try:
                         row = json.loads(line)
                     except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{line_no}: not a JSON object per line ({e})") from e
+                        raise DataError(f"{path}:{line_no}: not a JSON object per line ({e})") from e
                     if not isinstance(row, dict):
-                        raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+                        raise DataError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
                     return row
-        raise ValueError(f"no rows in {path}")
+        raise DataError(f"no rows in {path}")
     if path.suffix == ".parquet":
         try:
             batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
         except Exception as e:  # pyarrow's own error types: a file that is not parquet
-            raise ValueError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
+            raise DataError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
         if batch is None or batch.num_rows == 0:
-            raise ValueError(f"no rows in {path}")
+            raise DataError(f"no rows in {path}")
         return batch.to_pylist()[0]
-    raise ValueError(f"unsupported dataset file type {path.suffix!r} for {path}; "
+    raise DataError(f"unsupported dataset file type {path.suffix!r} for {path}; "
                      f"use .jsonl, .json (JSON lines) or .parquet")
 
 
@@ -122,15 +123,15 @@ def check_answer(value: Any, key: str, path: str | Path, row: int) -> None:
     items = value if isinstance(value, list) else [value]
     for item in items:
         if item is None or (isinstance(item, float) and item != item):
-            raise ValueError(f"{path} row {row}: {key!r} is null; every row needs a ground truth "
+            raise DataError(f"{path} row {row}: {key!r} is null; every row needs a ground truth "
                              f"(or set data.answer_key=null for reward-model scoring)")
         if isinstance(item, bool) or not isinstance(item, (str, int, float)):
-            raise ValueError(f"{path} row {row}: {key!r} must be a string or a number (or a list of them), "
+            raise DataError(f"{path} row {row}: {key!r} must be a string or a number (or a list of them), "
                              f"got {type(item).__name__} {item!r}")
         if isinstance(item, str) and not item.strip():
-            raise ValueError(f"{path} row {row}: {key!r} is an empty string")
+            raise DataError(f"{path} row {row}: {key!r} is an empty string")
     if not items:
-        raise ValueError(f"{path} row {row}: {key!r} is an empty list")
+        raise DataError(f"{path} row {row}: {key!r} is an empty list")
 
 
 class PromptDataset(torch.utils.data.Dataset):
@@ -192,7 +193,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 if missing:
                     hint = (" (or verl's 'reward_model' column holding the ground truth)"
                             if missing[0] == answer_key else "")
-                    raise ValueError(f"column {missing[0]!r}{hint} missing in {path} (row {i}); "
+                    raise DataError(f"column {missing[0]!r}{hint} missing in {path} (row {i}); "
                                      f"columns present: {columns}")
                 truth = None
                 if answer_key:
@@ -211,7 +212,7 @@ class PromptDataset(torch.utils.data.Dataset):
                 })
 
         if not raw_prompts:
-            raise ValueError(f"no rows in {[str(f) for f in files] or [name for name, _ in records or ()]}")
+            raise DataError(f"no rows in {[str(f) for f in files] or [name for name, _ in records or ()]}")
         if not any(templated):  # plain text only: no chat form to keep
             records = [{k: v for k, v in rec.items() if k != "messages"} for rec in records]
         if any("extra_info" in rec for rec in records):  # every row needs the column to collate
@@ -221,7 +222,7 @@ class PromptDataset(torch.utils.data.Dataset):
         for i, (ids, text, rec) in enumerate(zip(encoded, raw_prompts, records)):
             if len(ids) > max_prompt_length:
                 if not filter_overlong:
-                    raise ValueError(f"prompt {i} has {len(ids)} tokens > max_prompt_length="
+                    raise DataError(f"prompt {i} has {len(ids)} tokens > max_prompt_length="
                                      f"{max_prompt_length} (set filter_overlong=True to drop it)")
                 continue
             self.items.append({"input_ids": torch.tensor(ids, dtype=torch.long),
@@ -232,7 +233,7 @@ class PromptDataset(torch.utils.data.Dataset):
             logger.warning("PromptDataset: dropped %d of %d prompts longer than %d tokens",
                            self.num_filtered, len(raw_prompts), max_prompt_length)
         if not self.items:
-            raise ValueError(f"no prompts left: all {len(raw_prompts)} are longer than "
+            raise DataError(f"no prompts left: all {len(raw_prompts)} are longer than "
                              f"max_prompt_length={max_prompt_length}")
 
     def describe(self) -> str:
@@ -257,14 +258,14 @@ class PromptDataset(torch.utils.data.Dataset):
         """(the exact text the policy sees, whether the chat template wrote it)."""
         if isinstance(prompt, str):
             if not prompt.strip():
-                raise ValueError(f"{path} row {row}: the prompt is empty")
+                raise DataError(f"{path} row {row}: the prompt is empty")
             if not self.use_chat_template:
                 return prompt, False
             prompt = [{"role": "user", "content": prompt}]
         else:
             check_messages(prompt, path, row)
             if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError(f"{path} row {row}: prompt is a chat list but the tokenizer has no "
+                raise DataError(f"{path} row {row}: prompt is a chat list but the tokenizer has no "
                                  f"chat_template to render it")
         text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         return text, True

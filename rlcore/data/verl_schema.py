@@ -20,6 +20,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from rlcore.errors import DataError
+
 GROUND_TRUTH_KEY = "reward_model.ground_truth"
 
 
@@ -32,11 +34,11 @@ def verl_ground_truth(row: dict[str, Any], path: str | Path, index: int) -> Any:
     """``row["reward_model"]["ground_truth"]``, or an error naming the file, the row and the key."""
     spec = row["reward_model"]
     if not isinstance(spec, dict):
-        raise ValueError(f"{path} row {index}: 'reward_model' must be a dict like "
+        raise DataError(f"{path} row {index}: 'reward_model' must be a dict like "
                          f"{{'style': 'rule', 'ground_truth': ...}} (verl's layout), got {spec!r}")
     if spec.get("ground_truth") is None:
         present = sorted(k for k, v in spec.items() if v is not None)
-        raise ValueError(f"{path} row {index}: {GROUND_TRUTH_KEY!r} is missing or null (verl's layout: "
+        raise DataError(f"{path} row {index}: {GROUND_TRUTH_KEY!r} is missing or null (verl's layout: "
                          f"reward_model = {{'style': 'rule', 'ground_truth': ...}}); reward_model has {present}")
     return spec["ground_truth"]
 
@@ -45,7 +47,7 @@ def verl_extra_info(row: dict[str, Any], path: str | Path, index: int) -> dict[s
     """The row's ``extra_info`` dict (None when the file has no such column or the value is null)."""
     info = row.get("extra_info")
     if info is not None and not isinstance(info, dict):
-        raise ValueError(f"{path} row {index}: 'extra_info' must be a dict (or null), got "
+        raise DataError(f"{path} row {index}: 'extra_info' must be a dict (or null), got "
                          f"{type(info).__name__} {info!r}")
     return info
 
@@ -54,17 +56,17 @@ def check_messages(prompt: Any, path: str | Path, index: int) -> None:
     """A chat prompt: a non-empty list of {"role": str, "content": str} messages; the error names the
     message and the key that is wrong."""
     if not isinstance(prompt, list):
-        raise ValueError(f"{path} row {index}: prompt must be a string or a list of "
+        raise DataError(f"{path} row {index}: prompt must be a string or a list of "
                          f"{{'role', 'content'}} messages, got {type(prompt).__name__} {prompt!r}")
     if not prompt:
-        raise ValueError(f"{path} row {index}: prompt is an empty list of messages")
+        raise DataError(f"{path} row {index}: prompt is an empty list of messages")
     for j, message in enumerate(prompt):
         if not isinstance(message, dict):
-            raise ValueError(f"{path} row {index}: prompt[{j}] must be a {{'role', 'content'}} message, "
+            raise DataError(f"{path} row {index}: prompt[{j}] must be a {{'role', 'content'}} message, "
                              f"got {type(message).__name__} {message!r}")
         for key in ("role", "content"):
             value = message.get(key)
             if not isinstance(value, str) or (key == "role" and not value.strip()):
                 what = "missing" if key not in message else f"{type(value).__name__} {value!r}"
-                raise ValueError(f"{path} row {index}: prompt[{j}].{key} must be a "
+                raise DataError(f"{path} row {index}: prompt[{j}].{key} must be a "
                                  f"{'non-empty ' if key == 'role' else ''}string, got {what}")

@@ -172,20 +172,10 @@ class HFEngine(Engine):
         bsz, prompt_len = input_ids.shape
         stop_ids = self.stop_token_ids(settings)
         recorder = _StopRecorder(prompt_len, bsz, stop_ids, settings.stop, self.tokenizer, self.device)
-        # The warpers are ours, in HF's order (temperature, top-k, top-p), so that the log-prob recorder
-        # can run after them: HF puts a caller's processors before its own warpers. The config then
-        # asks for none (temperature 1, top_k 0: left unset, HF would fill in its default of 50).
         scores = _LogProbRecorder(settings.top_logprobs)
         processors = LogitsProcessorList([] if settings.greedy else sampling_warpers(settings))
         processors.append(scores)
-        config = GenerationConfig(
-            do_sample=not settings.greedy,
-            temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=settings.max_new_tokens,
-            eos_token_id=stop_ids or None,
-            pad_token_id=self.pad_token_id,
-            return_dict_in_generate=True,
-        )
+        config = generation_config(settings, stop_ids, self.pad_token_id)
         seeded = settings.seed is not None and not settings.greedy
         routing = RoutingRecorder(self.model) if self.record_routing else None
         try:
@@ -240,6 +230,17 @@ class HFEngine(Engine):
             if name not in params:
                 raise KeyError(f"{name!r} is not a parameter of the rollout model")
             params[name].copy_(tensor)
+
+
+def generation_config(settings: SamplingSettings, stop_ids: list[int], pad_token_id: int) -> GenerationConfig:
+    """HF's config for one ``generate`` call. The warpers are ours (``sampling_warpers``, in HF's order:
+    temperature, top-k, top-p), so that the log-prob recorder can run after them: HF puts a caller's
+    processors before its own warpers. When sampling, the config therefore asks for none (temperature 1,
+    top_k 0: left unset, HF would fill in its default of 50); when greedy it names no sampling flag at
+    all, since HF warns of each one a greedy config sets ("generation flags are not valid ... ['top_k']")."""
+    sampling = {} if settings.greedy else {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    return GenerationConfig(do_sample=not settings.greedy, **sampling, max_new_tokens=settings.max_new_tokens,
+                            eos_token_id=stop_ids or None, pad_token_id=pad_token_id, return_dict_in_generate=True)
 
 
 def sampling_warpers(settings: SamplingSettings) -> list[LogitsProcessor]:

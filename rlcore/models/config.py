@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rlcore.errors import MissingFileError, close_file
+
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -62,7 +64,8 @@ class ModelConfig:
         a missing one for a Hub repo id and fail late, after network retries, with a message about the Hub."""
         path = self.require_path()
         if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"not a local HF model directory: {path} (no config.json)")
+            hint = "" if os.path.isdir(path) else close_file(path)  # a typo in the folder's name: the closest one
+            raise MissingFileError(f"not a local HF model directory: {path} (no config.json){hint}")
         return path
 
 

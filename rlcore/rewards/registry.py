@@ -25,7 +25,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from rlcore.registry import Registry, load_named
+from rlcore.errors import did_you_mean
+from rlcore.registry import Registry, UnknownNameError, load_module, public_callables
 from rlcore.rewards.math_answers import (
     answers_equal,
     extract_boxed,
@@ -76,13 +77,15 @@ def get_reward_fn(name_or_path: str) -> RewardFn:
     if name_or_path in _REGISTRY:
         return _REGISTRY.get(name_or_path)
     if ":" not in name_or_path:
-        raise ValueError(f"unknown reward function {name_or_path!r}; registered: "
-                         f"{_REGISTRY.names()}, or give 'package.module:function' or "
-                         f"'/path/file.py:function'")
-    fn = load_named(name_or_path, "reward function")
+        raise UnknownNameError(f"unknown reward function {name_or_path!r}{did_you_mean(name_or_path, _REGISTRY.names())}"
+                               f"; registered: {_REGISTRY.names()}, or give 'package.module:function' or "
+                               f"'/path/file.py:function'")
+    module = load_module(name_or_path, "reward function")
+    where, attr = name_or_path.rsplit(":", 1)
+    fn = getattr(module, attr, None)
     if fn is None:
-        where, attr = name_or_path.rsplit(":", 1)
-        raise ValueError(f"{where!r} defines no {attr!r} (from reward function {name_or_path!r})")
+        raise UnknownNameError(f"{where!r} defines no {attr!r}{did_you_mean(attr, public_callables(module))} "
+                               f"(from reward function {name_or_path!r})")
     if not callable(fn):
         raise TypeError(f"{name_or_path!r} is a {type(fn).__name__}, "
                         "not a callable reward function")

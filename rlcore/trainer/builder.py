@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -57,7 +58,7 @@ from rlcore.protocol import DataProto
 from rlcore.rewards.registry import bind_source_reward, reward_fn_for_source
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, WorkerGroup, create_colocated_worker_cls
 from rlcore.trainer.choices import resolve_choices
-from rlcore.trainer.config import to_worker_config
+from rlcore.trainer.config import ConfigError, to_worker_config
 from rlcore.trainer.preflight import preflight
 from rlcore.trainer.progress import phase
 from rlcore.trainer.stop_signal import exit_during_startup
@@ -123,6 +124,7 @@ def init_ray(cfg: DictConfig) -> None:
 
     if ray.is_initialized():
         return
+    quiet_token_notice()
     t = cfg.trainer
     address = t.ray_address or os.environ.get("RAY_ADDRESS")
     options = {"include_dashboard": False, "configure_logging": False,
@@ -137,6 +139,25 @@ def init_ray(cfg: DictConfig) -> None:
     exit_during_startup()  # Ray's own SIGTERM handler exits with 15; the run's loop installs its own later
     phase(f"Ray ready ({'cluster at ' + address if address and address != 'local' else 'a local instance'}); "
           "starting the worker processes")
+
+
+RAY_TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_TOKEN_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropTokenNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(RAY_TOKEN_NOTICE)
+
+
+def quiet_token_notice() -> None:
+    """Drop Ray's "Token authentication is enabled for this Ray cluster ..." warning, which every
+    ``ray.init`` of a local instance logs: it reports Ray's default (token auth on), asks nothing of the
+    user, and is the only Ray line of a run's start-up. A filter on the logger that emits it, so that
+    Ray's other warnings (its "Token authentication is disabled" one among them) still show."""
+    logger = logging.getLogger(RAY_TOKEN_LOGGER)
+    if not any(isinstance(f, _DropTokenNotice) for f in logger.filters):
+        logger.addFilter(_DropTokenNotice())
 
 
 LOOPBACK_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -189,7 +210,7 @@ def check_reachable(address: str, timeout_s: float, source: str) -> None:
 
 def resolve_device(name: str) -> str:
     if name not in ("cpu", "cuda", "auto"):
-        raise ValueError(f"trainer.device must be 'cpu', 'cuda' or 'auto', got {name!r}")
+        raise ConfigError(f"trainer.device must be 'cpu', 'cuda' or 'auto', got {name!r}")
     return ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
 
 
@@ -260,10 +281,10 @@ def _placed_group(cfg: DictConfig, worker: Any, suffix: str = "") -> tuple[Worke
     ``procs_per_node`` ranks of ``cpus_per_proc`` CPUs (named with ``suffix``)."""
     t = cfg.trainer
     if t.backend not in BACKENDS:
-        raise ValueError(f"trainer.backend must be one of {BACKENDS}, got {t.backend!r}")
+        raise ConfigError(f"trainer.backend must be one of {BACKENDS}, got {t.backend!r}")
     if t.backend == "local":
         if t.nnodes * t.procs_per_node != 1:
-            raise ValueError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
+            raise ConfigError("trainer.backend=local runs one rank in this process: set trainer.nnodes=1 and "
                              "trainer.procs_per_node=1, or use trainer.backend=ray for more ranks")
         # As many threads as a Ray rank would get. torch._C's builtin, because a vLLM CPU engine started
         # earlier in this process replaces torch.set_num_threads with a no-op that only logs a warning.
@@ -307,11 +328,11 @@ def data_files(cfg: DictConfig) -> tuple[Any, Any]:
     d = cfg.data
     if d.train_files is None:
         if d.val_files is not None:
-            raise ValueError("data.val_files is set but data.train_files is not: give both, or neither for the "
+            raise ConfigError("data.val_files is set but data.train_files is not: give both, or neither for the "
                              "generated task of data.task")
         return _generated_files(cfg)
     if d.val_files is None:
-        raise ValueError("data.val_files is required when data.train_files is set")
+        raise ConfigError("data.val_files is required when data.train_files is set")
     return _listed(d.train_files), _listed(d.val_files)
 
 
@@ -364,7 +385,7 @@ def _source_data(cfg: DictConfig, tokenizer: Any) -> tuple[SourceLoader, list[Da
     reward manager looks a row's function up (``reward.reward_fn`` / ``reward_fn_by_source`` still win)."""
     d = cfg.data
     if d.get("response_key"):
-        raise ValueError("data.response_key names a column of data files; a source's rows have prompt and answer "
+        raise ConfigError("data.response_key names a column of data files; a source's rows have prompt and answer "
                          "only (SFT on a source trains on the answer): unset it, or write the rows to a file")
     kwargs = OmegaConf.to_container(d.source_kwargs, resolve=True) if d.source_kwargs else {}
     val_seed = d.source_val_seed if d.source_val_seed is not None else d.seed + VAL_SEED_OFFSET
@@ -379,7 +400,7 @@ def _source_data(cfg: DictConfig, tokenizer: Any) -> tuple[SourceLoader, list[Da
     elif cfg.get("reward") is not None and cfg.reward.get("reward_fn") is None \
             and train.data_source not in (cfg.reward.get("reward_fn_by_source") or {}) \
             and reward_fn_for_source(train.data_source) is None:
-        raise ValueError(f"data.source={d.source} brings no reward and its rows' data_source {train.data_source!r} has "
+        raise ConfigError(f"data.source={d.source} brings no reward and its rows' data_source {train.data_source!r} has "
                          "no registered function: return a rlcore.data.sources.PromptSource with reward=..., or set "
                          "reward.reward_fn")
     phase(f"data: a stream from data.source={d.source} (data_source {train.data_source!r}, "

@@ -17,6 +17,11 @@ may flip a near-tie); a model that loads in one and not the other fails here. Wi
 models the first ``--show`` prompts are printed side by side: what the base model answered, what
 the trained one answers.
 
+Plain-string prompts are rendered as the run that trained the model rendered them: through the chat
+template or not, as its export records (``rlcore.trainer.prompt_format``: ``data.apply_chat_template``
+as the run resolved it); ``--apply-chat-template`` or ``--run-config`` decide instead, and a model no
+run exported gets auto. The line "evaluating on ..." says which and why.
+
 The split is the one a recipe validates on: ``--task`` writes it as ``data.task`` does with the
 default ``data.word_problems`` settings (the same rows), or ``--data`` reads a prompt file.
 """
@@ -30,6 +35,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from omegaconf import OmegaConf
@@ -43,6 +49,7 @@ from rlcore.models.config import ModelConfig
 from rlcore.models.gguf import resolve_model_path
 from rlcore.protocol import DataProto
 from rlcore.rewards.manager import RewardConfig, RuleRewardManager
+from rlcore.trainer import prompt_format
 from rlcore.trainer.config import WordProblemsConfig
 
 
@@ -111,6 +118,22 @@ def reward_settings(args: argparse.Namespace) -> tuple[dict, dict]:
     return reward, data
 
 
+def prompt_template_choice(args: argparse.Namespace, data_keys: dict, models: Sequence[str]) -> tuple[Any, str]:
+    """(``apply_chat_template`` for plain-string prompts, why): the flag, else ``--run-config``'s, else
+    what the first model's export records of the run that trained it (``rlcore.trainer.prompt_format``),
+    else auto (the tokenizer's template when it has one)."""
+    if args.apply_chat_template:
+        value = {"true": True, "false": False}.get(args.apply_chat_template, "auto")
+        return value, f"--apply-chat-template {args.apply_chat_template}"
+    if "apply_chat_template" in data_keys:
+        return data_keys["apply_chat_template"], f"data.apply_chat_template of --run-config {args.run_config}"
+    for model in models:
+        found = prompt_format.recorded(model)
+        if found is not None:
+            return found
+    return "auto", "no run recorded how it rendered prompts: auto, the tokenizer's chat template when it has one"
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m rlcore.trainer.evaluate", description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+", help="HF model directories (or a .gguf file, or smollm2)")
@@ -127,9 +150,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="the function of one data_source (repeatable); wins over --reward-fn")
     parser.add_argument("--reward-kwargs", help="keyword arguments of every reward call, as JSON")
     parser.add_argument("--run-config", help="a run's config.yaml: its reward section and data keys")
+    parser.add_argument("--apply-chat-template", choices=("true", "false", "auto"),
+                        help="plain-string prompts through the chat template (default: as the run that trained "
+                             "the model did, from its export's record; auto for a model no run exported)")
     args = parser.parse_args(argv)
     reward, data_keys = reward_settings(args)
     models = [resolve_model_path(m) for m in args.models]
+    data_keys["apply_chat_template"], how = prompt_template_choice(args, data_keys, models)
     tokenizer = AutoTokenizer.from_pretrained(models[0])
     r = RewardConfig(**reward)
     scorer = RuleRewardManager.from_reward_config(tokenizer, r, num_workers=0,
@@ -143,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
                             extra_keys=("data_source", *dict.fromkeys(r.extra_keys)), **data_keys)
     dataset = [prompts[i] for i in range(min(args.n or len(prompts), len(prompts)))]
     scorer.check_sources([item["data_source"] for item in dataset])  # before any model loads
-    print(f"evaluating on {prompts.describe()}", flush=True)
+    print(f"evaluating on {prompts.describe()}; {how}", flush=True)
     max_new = args.max_new_tokens or (96 if args.task == "multi_step" and not args.data else 32)
     backends = ("hf", "vllm") if args.backend == "both" else (args.backend,)
     results = [answer(m, dataset, b, max_new, scorer) for m in models for b in backends]

@@ -36,7 +36,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from rlcore.errors import UserError
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
+from rlcore.trainer import prompt_format
 from rlcore.trainer.run_checkpoint import HF_DIR, STATE_FILE, find_latest_checkpoint
 from rlcore.trainer.warmstart import warm_start
 from rlcore.workers import fsdp_utils
@@ -48,7 +50,7 @@ HYDRA_CONFIG = Path("hydra") / "config.yaml"  # what Hydra writes there (recipes
 EXPORTED_ROLES = ("actor", "rm")  # the first one a run trains is exported: the policy, else the reward model
 
 
-class NotACheckpointError(FileNotFoundError):
+class NotACheckpointError(UserError, FileNotFoundError):
     """The path given is not a complete checkpoint, or lacks what the export needs."""
 
 
@@ -132,6 +134,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path | None = None, *, 
         group.export_hf(str(out))
     finally:
         group.shutdown()
+    prompt_format.record(cfg, out)  # as the run's own exports: evaluate renders prompts as the run did
     return out
 
 

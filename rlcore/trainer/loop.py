@@ -68,6 +68,7 @@ from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
 from rlcore.trainer.completion_table import CompletionTable
 from rlcore.trainer.consistency import ConsistencyCheck
+from rlcore.trainer import prompt_format
 from rlcore.trainer.probe_check import ProbeCheck, model_vocab_size
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
@@ -325,6 +326,10 @@ class TrainingRun:
             kind = OSError if isinstance(cause, OSError) else RuntimeError
             raise kind(f"writing {what} {out} failed (the {role} as a HF model): {type(cause).__name__}: "
                        f"{cause}") from exc
+        try:
+            prompt_format.record(self.cfg, out)  # evaluate renders prompts as this run did
+        except (OSError, ValueError) as exc:  # no tokenizer there (another node's disk): the run's config.yaml says
+            print(f"warning: no {prompt_format.RECORD} in {out}: {exc}", flush=True)
         return True
 
     def export_final(self) -> None:

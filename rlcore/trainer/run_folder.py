@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import IO
 
+from rlcore.errors import UserError
 from rlcore.trainer.run_checkpoint import HF_DIR
 from rlcore.trainer.trajectory_files import TRAJECTORY_DIR
 from rlcore.trainer.verdicts import CHECK_FILE
@@ -28,7 +29,7 @@ RUN_RECORDS = ("metrics.jsonl", "tensorboard", "checkpoints", HF_DIR, "wandb", "
                CHECK_FILE)  # what a run leaves
 
 
-class RunFolderError(RuntimeError):
+class RunFolderError(UserError, RuntimeError):
     """The run folder is in use by a live run, or holds another run's records."""
 
 

@@ -5,7 +5,8 @@ A verl user's muscle memory (``actor_rollout_ref.actor.optim.lr=1e-6``,
 meet Hydra's generic "Could not override ... append with +" error, which names neither the cause
 (another framework's key) nor the fix. Hydra refuses an unknown key while composing, before any
 recipe code runs, so the translation works on the override strings themselves: each recipe's
-``__main__`` calls ``translate_sys_argv(SECTIONS)`` before ``main()``.
+``__main__`` calls ``rlcore.trainer.cli.prepare_argv(SECTIONS)`` before ``main()``, which lists every
+refused key at once (``translate_overrides_collecting``).
 
 An override is left alone when it is already a key of the recipe's config (``data.train_batch_size``,
 ``algorithm.adv_estimator``: verl and rlcore share those names and meanings). Otherwise a verl key
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import sys
 import typing
 from collections.abc import Sequence
 
@@ -106,8 +106,18 @@ def _has_key(sections: Sequence[str], dotted: str) -> bool:
 
 def translate_overrides(overrides: Sequence[str], sections: Sequence[str]) -> tuple[list[str], list[str]]:
     """(the overrides with verl's keys rewritten to rlcore's, one note per rewritten key). Raises
-    ``ConfigError`` for a verl key rlcore has no counterpart for, naming what to set instead."""
-    out, notes, reward_path, reward_name = [], [], None, None
+    ``ConfigError`` for the verl keys rlcore has no counterpart for (all of them, a line each), naming what to
+    set instead."""
+    out, notes, refused = translate_overrides_collecting(overrides, sections)
+    if refused:
+        raise ConfigError("\n".join(refused))
+    return out, notes
+
+
+def translate_overrides_collecting(overrides: Sequence[str],
+                                   sections: Sequence[str]) -> tuple[list[str], list[str], list[str]]:
+    """``translate_overrides``, the refused keys returned (a line each, left out of the overrides)."""
+    out, notes, refused, reward_path, reward_name = [], [], [], None, None
     for arg in overrides:
         match = OVERRIDE.match(arg)
         if not match or _has_key(sections, match.group(2)) or not match.group(2).startswith(VERL_PREFIXES):
@@ -129,21 +139,23 @@ def translate_overrides(overrides: Sequence[str], sections: Sequence[str]) -> tu
             if reason is None and not key.startswith(("actor_rollout_ref.", "custom_reward_function.")):
                 out.append(arg)  # not a verl key rlcore knows of: Hydra's own error names it
                 continue
-            raise ConfigError(f"{key} is verl's key, which rlcore has no counterpart for: "
-                              f"{reason or 'see docs/recipes.md, Coming from verl, for the keys rlcore maps'}")
+            refused.append(f"{key} is verl's key, which rlcore has no counterpart for: "
+                           f"{reason or 'see docs/recipes.md, Coming from verl, for the keys rlcore maps'}")
+            continue
         if target.partition(".")[0] not in sections:
-            raise ConfigError(f"{key} is verl's name for {target}, which this recipe does not read "
-                              f"(its sections: {', '.join(sections)})")
+            refused.append(f"{key} is verl's name for {target}, which this recipe does not read "
+                           f"(its sections: {', '.join(sections)})")
+            continue
         out.append(f"{target}={value}")
         notes.append(f"verl key {key} -> rlcore key {target}")
     if reward_name is not None and reward_path is None:
-        raise ConfigError("custom_reward_function.name needs custom_reward_function.path (rlcore: "
-                          "reward.reward_fn=<file.py>:<function>)")
+        refused.append("custom_reward_function.name needs custom_reward_function.path (rlcore: "
+                       "reward.reward_fn=<file.py>:<function>)")
     if reward_path is not None:
         fn = f"{reward_path}:{reward_name or 'compute_score'}"  # verl's default function name
         out.append(f"reward.reward_fn={fn}")
         notes.append(f"verl keys custom_reward_function.path/name -> rlcore key reward.reward_fn={fn}")
-    return out, notes
+    return out, notes, refused
 
 
 def _same_leaf(key: str, sections: Sequence[str]) -> str | None:
@@ -152,16 +164,3 @@ def _same_leaf(key: str, sections: Sequence[str]) -> str | None:
             target = f"{section}.{key[len(prefix):]}"
             return target if _has_key(sections, target) else None
     return None
-
-
-def translate_sys_argv(sections: Sequence[str]) -> None:
-    """Rewrite ``sys.argv``'s verl keys in place (module docstring), printing a note per key; a refused
-    key ends the process with its message (exit code 2, as for a bad argument)."""
-    try:
-        args, notes = translate_overrides(sys.argv[1:], sections)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    for note in notes:
-        print(f"note: {note}", file=sys.stderr)
-    sys.argv[1:] = args

@@ -16,7 +16,6 @@ import rlcore.trainer.builder as builder
 import rlcore.trainer.warmstart as warmstart
 from rlcore.trainer.config import load_config
 from rlcore.trainer.preflight import PreflightError, preflight
-from rlcore.trainer.run_folder import RunFolderError
 
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 
@@ -66,7 +65,7 @@ def test_each_reward_typo_is_named(tmp_path, data, model_dir, reward_file, rewar
 
 
 def test_data_typos_are_named(tmp_path, data, model_dir):
-    with pytest.raises(FileNotFoundError, match=r"data.train_files: dataset file not found: .*trian.jsonl"):
+    with pytest.raises(PreflightError, match=r"data.train_files: dataset file not found: .*trian.jsonl"):
         preflight(cfg(tmp_path, (str(tmp_path / "trian.jsonl"), data[1]), model_dir))
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{not json\n")
@@ -77,7 +76,7 @@ def test_data_typos_are_named(tmp_path, data, model_dir):
                                          r"columns present: \['answer', 'data_source', 'question'\]"):
         preflight(cfg(tmp_path, (no_answer, data[1]), model_dir))
     mine = write_jsonl(tmp_path / "mine.jsonl", [{"prompt": "1+2=", "answer": "3", "data_source": "words_arith"}])
-    with pytest.raises(ValueError, match=r"no reward function for the data's data_source 'words_arith': set "
+    with pytest.raises(ValueError, match=r"no reward function for the data's data_source 'words_arith' \(.*mine.jsonl, first in row 0\): set "
                                          r"reward.reward_fn"):
         preflight(cfg(tmp_path, (mine, mine), model_dir))
 
@@ -87,12 +86,12 @@ def test_folder_and_resume_typos_are_named(tmp_path, data, model_dir):
     folder = tmp_path / "out" / c.trainer.project / c.trainer.run_name
     folder.mkdir(parents=True)
     (folder / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(RunFolderError, match=r"holds another run \(metrics.jsonl\)"):
+    with pytest.raises(PreflightError, match=r"run folder: .*holds another run \(metrics.jsonl\)"):
         preflight(c)
     assert (folder / "metrics.jsonl").exists()  # checked, nothing deleted
     preflight(cfg(tmp_path, data, model_dir, trainer={"overwrite": True}))
     assert (folder / "metrics.jsonl").exists()  # overwrite deletes when the run claims the folder, not here
-    with pytest.raises(FileNotFoundError, match=r"trainer.resume: resume path '.*global_step_7' is not a complete"):
+    with pytest.raises(PreflightError, match=r"trainer.resume: resume path '.*global_step_7' is not a complete"):
         preflight(cfg(tmp_path, data, model_dir, trainer={"resume": str(folder / "checkpoints/global_step_7")}))
 
 
@@ -111,7 +110,7 @@ def test_several_problems_are_listed_together(tmp_path, data, model_dir):
 def test_agent_path_typo_is_named(tmp_path, data, model_dir):
     given = {"model": {"path": model_dir}, "data": {"train_files": data[0], "val_files": data[1]},
              "trainer": {"output_dir": str(tmp_path / "out")}, "agent": {"path": f"{tmp_path}/agent.py:Agent"}}
-    with pytest.raises(FileNotFoundError, match=r"agent.path: agent file '.*agent.py' does not exist"):
+    with pytest.raises(PreflightError, match=r"agent.path: agent file '.*agent.py' does not exist"):
         preflight(load_config(given, ["model", "data", "reward", "trainer", "agent"]))
 
 
@@ -134,7 +133,7 @@ def compose_grpo(tmp_path, *overrides):
 def test_recipe_fails_on_a_reward_typo_before_any_worker(tmp_path, model_dir, no_workers, with_model):
     model = [f"model.path={model_dir}"] if with_model else [f"warmstart.dir={tmp_path}/ws"]
     c = compose_grpo(tmp_path, *model, f"reward.reward_fn={tmp_path}/my_rewrd.py:compute_score")
-    with pytest.raises(FileNotFoundError, match="my_rewrd.py' does not exist"):
+    with pytest.raises(PreflightError, match="my_rewrd.py' does not exist"):
         recipes.grpo.train(c)
     assert no_workers == []
 
@@ -143,7 +142,7 @@ def test_recipe_fails_on_a_reused_run_folder_before_any_worker(tmp_path, model_d
     folder = tmp_path / "grpo" / "default"
     folder.mkdir(parents=True)
     (folder / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(RunFolderError, match="holds another run"):
+    with pytest.raises(PreflightError, match="holds another run"):
         recipes.grpo.train(compose_grpo(tmp_path, f"model.path={model_dir}"))
     assert no_workers == []
 
