@@ -65,6 +65,7 @@ from rlcore.engines.seeding import derive_seed, set_deterministic
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
 from rlcore.trainer.completion_table import CompletionTable
+from rlcore.trainer.check_bands import expected_dtypes
 from rlcore.trainer.consistency import ConsistencyCheck
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
@@ -97,7 +98,8 @@ def consistency_check(cfg: DictConfig, workers: Workers) -> ConsistencyCheck:
     (engine servers are added by their recipe: ``run.check.watch``)."""
     rollout, actor = workers.rollout, workers.trained.get("actor")
     engines = rollout.weight_checksums if rollout is not None else None
-    return ConsistencyCheck(read_check_config(cfg), actor, engines)
+    expected, why = expected_dtypes(cfg)  # the band of the configured dtype pair (rlcore.trainer.check_bands)
+    return ConsistencyCheck(read_check_config(cfg), actor, engines, expected=expected, why=why)
 
 
 class Stateful(Protocol):

@@ -203,3 +203,44 @@ def test_an_engine_not_in_the_configured_dtype_is_named_at_step_1(model_dir, tok
     assert list(run.check.warned) == ["dtype"]
     assert f"engine {planted}, trainer {trainer or 'float32'}; the config says engine {config_engine}" in \
         run.check.warned["dtype"]
+
+
+# ---- recipes: sync and async, the bf16 pairs, default check (no warning) ---------------------------------
+
+@pytest.fixture(scope="module")
+def recipe_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("bands_recipe"), hidden_size=32, num_heads=2, num_kv_heads=1)
+
+
+def run_recipe(name, tmp_path, model, *extra):
+    import importlib
+
+    from rlcore.trainer.tracking import read_jsonl_metrics
+    module = importlib.import_module(f"recipes.{name}")
+    overrides = [f"model.path={model}", f"trainer.output_dir={tmp_path}", "trainer.backend=local",
+                 "trainer.loggers=[jsonl]", "trainer.total_steps=2", "trainer.val_freq=0", "trainer.save_freq=0",
+                 "trainer.export_hf=false", "data.train_batch_size=4", "data.arithmetic.n_train=8",
+                 "data.arithmetic.n_val=2", "rollout.n=4", "rollout.max_new_tokens=4", f"actor.lr={LR}",
+                 "actor.ppo_micro_batch_size_per_gpu=8", *extra]
+    with initialize_config_dir(config_dir=str(Path(module.__file__).parent / "config"), version_base=None):
+        cfg = compose(name, overrides=overrides)
+    run = module.train(cfg)
+    return read_jsonl_metrics(run.dir / "metrics.jsonl"), OmegaConf.load(run.dir / "config.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe,extra", [
+    ("grpo", ["model.mixed_precision=bfloat16"]),  # the engine follows: bf16 on both sides
+    ("grpo", ["model.mixed_precision=bfloat16", "rollout.dtype=float32"]),  # a pair that differs, configured
+    ("ppo", ["model.mixed_precision=bfloat16", "critic.ppo_micro_batch_size_per_gpu=8"]),
+    ("async_grpo", ["model.mixed_precision=bfloat16"]),
+], ids=["grpo_bf16", "grpo_bf16_trainer_fp32_engine", "ppo_bf16", "async_grpo_bf16"])
+def test_clean_bf16_recipe_runs_warn_nothing(tmp_path, recipe_model, capfd, recipe, extra):
+    rows, saved = run_recipe(recipe, tmp_path, recipe_model, *extra)
+    err = capfd.readouterr().err
+    assert len(rows) == 2 and all(r["check/tokens"] > 0 for r in rows)
+    assert "WARNING consistency check" not in err
+    engine = "float32" if "rollout.dtype=float32" in extra else "bfloat16"
+    assert f"consistency check: engine {engine}, trainer bfloat16" in err  # said once, at start
+    if "rollout.dtype=float32" not in extra:
+        assert saved.rollout.dtype == "bfloat16" and "compute alike" in saved.resolved["rollout.dtype"]["why"]
