@@ -91,6 +91,25 @@ def test_expected_dtypes_and_why_come_from_the_config():
     assert "engine bfloat16, trainer bfloat16; the config says engine float32" in bands.dtype_fault("bfloat16", "bfloat16")
 
 
+@pytest.mark.parametrize("m,cause", [
+    (measures(0.01, 0.0, **{"check/logprob_abs_diff_mean/turn_first": 0.002,
+                           "check/logprob_abs_diff_mean/turn_later": 0.05}), "template"),
+    (measures(0.01, -0.0095), "top_p_top_k"),
+    (measures(10 * BF16_PAIR.abs_diff_mean, 0.0), "precision"),
+], ids=["later_turns", "one_sided", "beyond_pair"])
+def test_inside_a_bf16_band_the_structural_faults_are_still_named(m, cause):
+    """A bf16 pair's band is wide, but a difference confined to later turns or of one sign is no noise."""
+    assert m["check/logprob_abs_diff_mean"] < BF16_PAIR.abs_diff_mean or cause == "precision"
+    out = io.StringIO()
+    check = ConsistencyCheck(CheckConfig(), None, None, out=out, expected=("bfloat16", "bfloat16"), why="test")
+    assert out.getvalue().startswith("consistency check: engine bfloat16, trainer bfloat16 (agree: test)")
+    check.after_step(1, m)
+    assert list(check.warned) == [cause] and "step 1:" in check.warned[cause]
+    quiet = ConsistencyCheck(CheckConfig(), None, None, out=io.StringIO(), expected=("bfloat16", "bfloat16"))
+    quiet.after_step(1, measures(0.01, 0.001))
+    assert quiet.warned == {}
+
+
 # ---- auto: matching dtypes, or a reason ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
