@@ -251,7 +251,8 @@ def run_recipe(name, tmp_path, model, *extra):
 @pytest.mark.parametrize("recipe,extra", [
     ("grpo", ["model.mixed_precision=bfloat16"]),  # the engine follows: bf16 on both sides
     ("grpo", ["model.mixed_precision=bfloat16", "rollout.dtype=float32"]),  # a pair that differs, configured
-    ("ppo", ["model.mixed_precision=bfloat16", "critic.ppo_micro_batch_size_per_gpu=8"]),
+    ("ppo", ["model.mixed_precision=bfloat16", "critic.ppo_micro_batch_size_per_gpu=8", "actor.ppo_mini_batch_size=4",
+             "critic.ppo_mini_batch_size=4"]),
     ("async_grpo", ["model.mixed_precision=bfloat16"]),
 ], ids=["grpo_bf16", "grpo_bf16_trainer_fp32_engine", "ppo_bf16", "async_grpo_bf16"])
 def test_clean_bf16_recipe_runs_warn_nothing(tmp_path, recipe_model, capfd, recipe, extra):
