@@ -91,6 +91,7 @@ def hybrid(model: str, backend: str, trainer: str | None, engine: str, steps: in
         m = m[0] if isinstance(m, list) else m
         wg.rollout_sync_weights()
         rows.append({"step": step, **{k.removeprefix("check/"): m[k] for k in MEASURES if k in m}})
+        print(json.dumps(rows[-1]), flush=True)  # as it goes: a real model's step is minutes on a busy machine
     return rows
 
 
@@ -103,15 +104,17 @@ def main() -> None:
     parser.add_argument("--backend", default="hf")
     parser.add_argument("--trainer", default=None, help="model.mixed_precision (none: fp32)")
     parser.add_argument("--engine", default="float32", help="rollout.dtype")
+    parser.add_argument("--n", type=int, default=4, help="--hybrid: samples per prompt (8 prompts)")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of recipes/config/<recipe>.yaml")
     args = parser.parse_args()
     if args.hybrid:
         trainer = None if args.trainer in (None, "null", "float32") else args.trainer
-        rows = hybrid(args.hybrid, args.backend, trainer, args.engine, args.steps)
+        rows = hybrid(args.hybrid, args.backend, trainer, args.engine, args.steps, args.n, args.max_new_tokens)
         args.overrides = [f"hybrid={args.hybrid}", f"backend={args.backend}", f"trainer={trainer}", f"engine={args.engine}"]
     else:
         rows = run(args.recipe, args.overrides, args.steps)
-    for row in rows:
+    for row in rows if not args.hybrid else []:
         print(json.dumps(row), flush=True)
     if args.json:
         with open(args.json, "a") as f:
