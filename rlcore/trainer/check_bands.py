@@ -55,7 +55,8 @@ FP32 = Band(1e-4, 0.01, "fp32 on both sides")  # measured ~2e-7 nats, max |d| ~2
 # (engine, trainer) -> band. Set from the measurements in docs/correctness.md ("Bands"), with head-room.
 # Measured (clean runs, mean |d| per step; share of tokens outside [0.9, 1.1]): the tiny model 5e-4..3.5e-3,
 # 0%, with the HF and vLLM engines and every bf16 pair; SmolLM2-135M 0.027..0.066, 6..23% (HF engine fp32,
-# trainer bf16), 0.037..0.041, 14..15% (HF, bf16 on both sides), 0.042..0.043, 15..16% (vLLM, bf16 on both). The band: ~2x the largest.
+# trainer bf16), 0.037..0.041, 14..15% (HF, bf16 on both sides), 0.042..0.043, 15..16% (vLLM, bf16 on
+# both sides). The band: ~2x the largest.
 BF16_BAND = (0.15, 0.4)
 DEFAULT_BANDS: dict[tuple[str, str], Band] = {
     ("bfloat16", "float32"): Band(*BF16_BAND, "the measured default for a bf16 engine, fp32 trainer"),
