@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from rlcore.engines.dtype_choice import default_vllm_dtype, native_bf16
+from rlcore.engines.dtype_choice import native_bf16
 from rlcore.env import main
 from rlcore.trainer.choices import resolve_choices
 
@@ -67,9 +67,9 @@ def test_the_dtypes_are_the_trainers_choice_here(outputs, model_dir):
     assert dtypes["rollout.dtype (vllm)"] == mine["rollout.dtype"]
     assert dtypes["model.mixed_precision"][f"--model {model_dir}"] == mine["model.mixed_precision"]
     assert dtypes["model.mixed_precision"]["tiny model (hidden 128)"] == mine["model.mixed_precision"]
-    # and by the rule itself: bf16 sampling where this machine computes bf16 natively, fp32 training at width 128
+    # and by the rule itself: the engine samples in the trainer's dtype, fp32 training at width 128 on a CPU
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    assert dtypes["rollout.dtype (vllm)"]["value"] == default_vllm_dtype(device)
+    assert dtypes["rollout.dtype (vllm)"]["value"] == mine["model.mixed_precision"]["value"]
     wide = dtypes["model.mixed_precision"]["SmolLM2-135M-wide model (hidden 576)"]["value"]
     assert wide == ("bfloat16" if native_bf16(device)[0] else "float32")
     if device == "cpu":

@@ -22,10 +22,16 @@ measured, in this order (docs/correctness.md, "Consistency check"):
    full one ("top-p/top-k log-probs not processed" alike).
 3. later turns only: first-turn tokens agree, later turns differ: the trainer scores a context the
    sampler never saw, a chat template re-rendered (re-tokenised) earlier turns.
-4. dtype: the engine's weights and the trainer's compute dtype differ (bf16 engine, fp32 trainer):
-   symmetric numeric noise.
-5. precision: both sides in bf16 (or fp16), symmetric noise: different kernels at low precision.
+4. dtype: the engine's weights or the trainer's compute dtype are not the configured ones (an engine
+   silently in bf16 where the config says fp32).
+5. precision: symmetric noise above the band expected for the run's dtype pair.
 6. otherwise: unexplained, with what was ruled out.
+
+The bands know the precision (``rlcore.trainer.check_bands``): a clean bf16 run is expected to differ
+by more than a clean fp32 one, so a configured pair of dtypes (bf16 on either side or both) is said
+once at start, with why and the band chosen, and warns nothing while it stays inside that band. A
+one-sided difference, one confined to later turns, and a dtype that is not the configured one are
+named whatever the band.
 
 ``trainer.check.strict=true`` raises ``ConsistencyError`` instead of warning.
 """
@@ -42,12 +48,11 @@ import torch
 
 from rlcore.algos.consistency import compare_fingerprints
 from rlcore.protocol import DataProto
+from rlcore.trainer.check_bands import LATER_TURNS, LOW, ONE_SIDED, Bands, later_turns_only, one_sided, outside
 from rlcore.trainer.probe_check import ProbeCheck, coverage, probe_diagnosis, probe_only_note
 from rlcore.trainer.weight_versions import EngineVerdict, KnownVersions, classify, layers_named, weights_cause
 from rlcore.workers.mismatch import CheckConfig
 
-ONE_SIDED = 0.9  # |mean of d| / mean of |d| above this: the same sign on (nearly) every token
-LATER_TURNS = 10.0  # later turns' mean |d| this many times the first turn's: the context differs
 SHOWN = 5  # names listed in a message
 DESCRIBING_COLUMNS = ("data_source", "reward_fn", "env", "agent", "uid", "engine")
 
@@ -113,9 +118,10 @@ def compare_weights(step: int, trainer: dict[str, Any], engines: Sequence[dict[s
 
 
 def diagnose(m: dict[str, float], weights: WeightReport | None,
-             dtypes: tuple[str | None, str | None] = (None, None)) -> tuple[str, str]:
+             dtypes: tuple[str | None, str | None] = (None, None), bands: Bands | None = None) -> tuple[str, str]:
     """(cause key, message) for measures out of band: see the module docstring for the order.
-    ``weights``: this step's comparison, if one ran; ``dtypes``: (engine, trainer) as last reported."""
+    ``weights``: this step's comparison, if one ran; ``dtypes``: (engine, trainer) as last reported;
+    ``bands``: the run's (the configured dtypes, the band of their pair); None: judged as fp32."""
     if weights is not None and not weights.ok:
         return weights_cause(weights)  # not synced, partly synced or unknown weights: rlcore.trainer.weight_versions
     key = "check/logprob_abs_diff_mean"
@@ -132,36 +138,31 @@ def diagnose(m: dict[str, float], weights: WeightReport | None,
         return "template", (f"template re-tokenised earlier turns: first-turn tokens agree (mean |diff| {first:.3g}) "
                             f"but later turns differ ({later:.3g}): the trainer scores a context the sampler did not "
                             "see (a chat template that re-renders or drops earlier turns' content)")
-    if None not in dtypes and dtypes[0] != dtypes[1]:
-        return "dtype", (f"dtype differs (engine {dtypes[0]}, trainer {dtypes[1]}): symmetric numeric noise of "
-                         f"{abs_mean:.3g} nats per token; train and sample in one dtype, correct it with "
-                         "actor.use_rollout_is, or widen trainer.check.max_abs_diff_mean")
-    low = ("bfloat16", "float16")
-    if dtypes[0] in low and dtypes[0] == dtypes[1] and abs(signed) < 0.5 * abs_mean:
-        return "precision", (f"numeric noise of {dtypes[0]} on both sides: engine and trainer compute in {dtypes[0]} "
-                             f"with different kernels, {abs_mean:.3g} nats per token apart; expected at this precision "
-                             "(widen trainer.check.max_abs_diff_mean, or correct it with actor.use_rollout_is)")
+    fault = bands.dtype_fault(*dtypes) if bands is not None else None
+    if fault is not None or (bands is None and None not in dtypes and dtypes[0] != dtypes[1]):
+        return "dtype", (fault or f"dtype differs (engine {dtypes[0]}, trainer {dtypes[1]})") + (
+            f": symmetric numeric noise of {abs_mean:.3g} nats per token; train and sample in the configured dtypes "
+            "(rollout.dtype, model.mixed_precision)")
+    pair = bands.expected if bands is not None and bands.known() else dtypes
+    if (pair[0] in LOW or pair[1] in LOW) and abs(signed) < 0.5 * abs_mean:
+        band = bands.pair() if bands is not None else None
+        return "precision", (f"numeric noise above the band expected for engine {pair[0]}, trainer {pair[1]}: "
+                             f"{abs_mean:.3g} nats per token apart, symmetric"
+                             + (f" (band: {band.text()}, {band.source})" if band is not None else "")
+                             + "; more than measured for this pair on the models in docs/correctness.md ('Bands'): "
+                             "set trainer.check.max_abs_diff_mean if this model is known to differ more, or correct "
+                             "it with actor.use_rollout_is")
     checked = (f"the weights match (checked at step {weights.step}) and both sides use {dtypes[0]}"
                if weights is not None else "weights not checked this step")
     return "unexplained", (f"trainer and sampler disagree (mean |diff| {abs_mean:.3g} nats) with no cause measured: "
                            f"{checked}; not one-sided (top-p/top-k) and not confined to later turns")
 
 
-def out_of_band(m: dict[str, float], cfg: CheckConfig) -> list[str]:
-    """The measures out of their band, as text. Where tokens carry versions, only the current
-    version's (lag 0) are judged: older tokens differ by the policy's own change, as they should."""
-    lag = "/lag_0" if "check/tokens/lag_0" in m else ""
-    if lag == "" and any(k.startswith("check/tokens/lag_") for k in m):
-        return []  # only stale tokens this step: nothing the check can compare
-    found = []
-    abs_mean = m.get("check/logprob_abs_diff_mean" + lag)
-    share = m.get("check/ratio_out_of_band" + lag)
-    if abs_mean is not None and abs_mean > cfg.max_abs_diff_mean:
-        found.append(f"mean |trainer - sampler| log-prob {abs_mean:.3g} > {cfg.max_abs_diff_mean:g}")
-    if share is not None and share > cfg.max_out_of_band:
-        lo, hi = cfg.ratio_band
-        found.append(f"{share:.1%} of tokens with a ratio outside [{lo:g}, {hi:g}] > {cfg.max_out_of_band:.1%}")
-    return found
+def out_of_band(m: dict[str, float], cfg: CheckConfig, bands: Bands | None = None) -> list[str]:
+    """The measures out of the pair's band (``bands``; None: fp32's, or ``cfg``'s override), as text.
+    Where tokens carry versions, only the current version's (lag 0) are judged: older tokens differ by
+    the policy's own change, as they should."""
+    return outside(m, (bands or Bands(cfg)).pair(), tuple(cfg.ratio_band))
 
 
 def stamp_row_versions(batch: DataProto, current_version: int, key: str = "policy_version") -> None:
@@ -210,12 +211,17 @@ class ConsistencyCheck:
     set with ``watch`` when the engines come later than the run."""
 
     def __init__(self, cfg: CheckConfig, actor: Any = None, engines: Callable[[], list[dict]] | None = None,
-                 out: Any = None, probe: ProbeCheck | None = None, record: Recorder | None = None) -> None:
+                 out: Any = None, probe: ProbeCheck | None = None, record: Recorder | None = None,
+                 expected: tuple[str | None, str | None] = (None, None), why: str = "") -> None:
+        """``expected``: the (engine, trainer) dtypes the run's config says (``check_bands.expected_dtypes``),
+        and ``why``; unknown ones are taken from the first weight comparison."""
         self.cfg, self.actor, self.engines = cfg, actor, engines
         self.out = out or sys.stderr
         self.probe = probe  # the end-to-end probe (rlcore.trainer.probe_check), run with every weight comparison
         self.record = record  # keeps every warning and note (the run's VerdictLog: <run>/check.jsonl)
         self._elements: dict[str, int] | None = None  # the trainer's elements per tensor, at the last comparison
+        self.bands = Bands(cfg, expected, why)
+        self._announce()
         self.warned: dict[str, str] = {}  # cause key -> message, each warned once
         self.last_weights: WeightReport | None = None
         self._out = False  # the last step left a band
@@ -251,7 +257,8 @@ class ConsistencyCheck:
             self.probe.calibrate()
 
     def after_step(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
-        """After the step's sync: judge it; returns the metrics it adds (``check/weights_*``, ``check/probe_*``)."""
+        """After the step's sync: judge it; returns the metrics it adds (``check/weights_*``, ``check/probe_*``,
+        ``check/band_*`` once calibrated)."""
         freq = self.cfg.weight_checksum_freq
         due = freq > 0 and (step == 1 or step % freq == 0)  # by step number, which a resumed run continues
         tokens = "check/tokens" in metrics
@@ -259,10 +266,13 @@ class ConsistencyCheck:
         # (all advantages zero, every row skipped) a comparison that was due still runs; SFT, reward model: none
         if not self.cfg.enable or not (tokens or (due and self.connected())):
             return {}
-        found = out_of_band(metrics, self.cfg) if tokens else []
-        # a band just left (the step before was inside): compare the weights now, once per excursion
-        new_excursion = bool(found) and not self._out
-        self._out = bool(found) if tokens else self._out
+        ratio_band = tuple(self.cfg.ratio_band)
+        found = outside(metrics, self.bands.pair(), ratio_band) if tokens else []  # beyond a clean run of this pair
+        # leaving the calibrated band, or a difference no band absorbs: compare the weights now, once per excursion
+        signals = tokens and (one_sided(metrics) or later_turns_only(metrics))
+        alert = tokens and (bool(outside(metrics, self.bands.trigger(), ratio_band)) or signals)
+        new_excursion = alert and not self._out
+        self._out = alert if tokens else self._out
         added: dict[str, float] = {}
         checked = (due or new_excursion) and self.can_check_weights() and self.check_weights(step) is not None
         if checked and (due or not self.last_weights.ok):  # a resumed run logs what an uninterrupted one did
@@ -277,19 +287,41 @@ class ConsistencyCheck:
             added.update(probe.metrics())
             if not probe.ok:
                 found.append(probe.finding())
-        if found:
-            last = self.last_weights
-            dtypes = (last.engine_dtype, last.trainer_dtype) if last is not None else (None, None)
+        last = self.last_weights
+        dtypes = (last.engine_dtype, last.trainer_dtype) if last is not None else (None, None)
+        if found or self.bands.dtype_fault(*dtypes) or signals:
+            found = found or (outside(metrics, self.bands.trigger(), ratio_band) if tokens else []) or [self.signal(metrics)]
             if probe is not None and not probe.ok and not (checked and not last.ok):
                 cause, message = probe_diagnosis(probe, last if checked else None)
             else:
-                cause, message = diagnose(metrics, last if checked else None, dtypes)
+                cause, message = diagnose(metrics, last if checked else None, dtypes, self.bands)
             self.report(step, cause, f"{'; '.join(found)}. Likely cause: {message}")
+        elif checked and last.ok and tokens:
+            calibrated = self.bands.calibrate(step, metrics, weights_ok=True)
+            if calibrated is not None:
+                added.update(calibrated[0])
+                if self.bands.calibrated.limits() != self.bands.pair().limits():  # tighter than the pair's: worth a line
+                    self.say(step, "band_calibrated", calibrated[1].split(": ", 1)[1])
         return added
 
     def connected(self) -> bool:
         """Whether there is anything to compare: engines' weights or an end-to-end probe."""
         return self.can_check_weights() or self.probe is not None
+
+    @staticmethod
+    def signal(m: dict[str, float]) -> str:
+        """A difference inside the band that no band absorbs, as text."""
+        key = "check/logprob_abs_diff_mean"
+        if one_sided(m):
+            return f"mean trainer - sampler log-prob {m.get('check/logprob_diff_mean', 0.0):.3g} (one-sided)"
+        if later_turns_only(m):
+            return f"later turns' mean |d| {m[key + '/turn_later']:.3g} vs first turn's {m[key + '/turn_first']:.3g}"
+        return f"mean |trainer - sampler| log-prob {m.get(key, 0.0):.3g} with dtypes not as configured"
+
+    def _announce(self) -> None:
+        line = self.bands.announce()
+        if line is not None:
+            print(line, file=self.out, flush=True)
 
     def can_check_weights(self) -> bool:
         return self.actor is not None and self.engines is not None and self._unsupported is None
@@ -310,6 +342,9 @@ class ConsistencyCheck:
         self.last_weights = compare_weights(step, trainer, engines, self.known)
         self.known.remember(step, trainer["tensors"], start=start)
         self._elements = {name: int(c[1]) for name, c in trainer["tensors"].items()}  # (dtype, elements, hash)
+        if not self.bands.known():  # a check built without the configured dtypes: take the ones found
+            self.bands.learn(self.last_weights.engine_dtype, self.last_weights.trainer_dtype)
+            self._announce()
         unread = len(self.last_weights.unreadable)
         if unread and not self._said_unreadable and self.probe is not None:
             self._said_unreadable = True

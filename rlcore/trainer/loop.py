@@ -67,6 +67,7 @@ from rlcore.engines.seeding import derive_seed, set_deterministic
 from rlcore.protocol import DataProto
 from rlcore.trainer.builder import Workers, prompts_to_proto
 from rlcore.trainer.completion_table import CompletionTable
+from rlcore.trainer.check_bands import expected_dtypes
 from rlcore.trainer.consistency import ConsistencyCheck
 from rlcore.trainer import prompt_format
 from rlcore.trainer.probe_check import ProbeCheck, model_vocab_size
@@ -103,7 +104,8 @@ def consistency_check(cfg: DictConfig, workers: Workers) -> ConsistencyCheck:
     rollout, actor = workers.rollout, workers.trained.get("actor")
     engines = rollout.weight_checksums if rollout is not None else None
     probe = probe_check(cfg, actor, rollout.probe_log_probs) if rollout is not None else None
-    return ConsistencyCheck(read_check_config(cfg), actor, engines, probe=probe)
+    expected, why = expected_dtypes(cfg)  # the band of the configured dtype pair (rlcore.trainer.check_bands)
+    return ConsistencyCheck(read_check_config(cfg), actor, engines, probe=probe, expected=expected, why=why)
 
 
 def probe_check(cfg: DictConfig, actor: Any, engines: Callable[[list[int]], list]) -> ProbeCheck | None:

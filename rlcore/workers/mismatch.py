@@ -33,8 +33,12 @@ class CheckConfig:
 
     enable: bool = True  # log check/* every step, compare weights every weight_checksum_freq steps
     ratio_band: list[float] = field(default_factory=lambda: [0.9, 1.1])  # a token's exp(trainer - sampler) outside is out of band
-    max_out_of_band: float = 0.01  # share of (current-version) tokens that may leave ratio_band before the run warns
-    max_abs_diff_mean: float = 1e-4  # mean |trainer - sampler| log-prob of those tokens allowed before the run warns
+    # share of (current-version) tokens that may leave ratio_band, and their mean |trainer - sampler| log-prob,
+    # before the run warns; null: the band of the run's dtype pair (rlcore.trainer.check_bands: 1% and 1e-4 nats
+    # for fp32 on both sides, wider where either side computes in bf16), calibrated from the first steps
+    max_out_of_band: float | None = None
+    max_abs_diff_mean: float | None = None
+    calibrate: bool = True  # narrow the pair's band to the noise measured while the weights compare equal
     weight_checksum_freq: int = 10  # compare engine and trainer weights every N steps (and at step 1); 0: never
     probe: bool = True  # with each weight comparison, engine and trainer score a fixed sequence (rlcore.trainer.probe_check)
     strict: bool = False  # true: a measure out of its band stops the run (ConsistencyError) instead of warning once
@@ -43,7 +47,7 @@ class CheckConfig:
         if len(self.ratio_band) != 2 or not 0 < self.ratio_band[0] < 1 < self.ratio_band[1]:
             raise ValueError(f"trainer.check.ratio_band must be [low, high] with 0 < low < 1 < high, got "
                              f"{list(self.ratio_band)}")
-        if not 0 <= self.max_out_of_band <= 1 or self.max_abs_diff_mean < 0:
+        if not 0 <= (self.max_out_of_band or 0) <= 1 or (self.max_abs_diff_mean or 0) < 0:
             raise ValueError(f"trainer.check.max_out_of_band must be in [0, 1] and max_abs_diff_mean >= 0, got "
                              f"{self.max_out_of_band}, {self.max_abs_diff_mean}")
         if self.weight_checksum_freq < 0:

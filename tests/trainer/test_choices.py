@@ -39,15 +39,17 @@ def test_width_decides_bf16_on_a_native_bf16_cpu(tmp_path, amx_cpu, narrow_and_w
     narrow, wide = narrow_and_wide
     cfg = grpo_config(tmp_path, f"model.path={narrow}", "rollout.backend=vllm")
     record = resolve_choices(cfg)
-    assert cfg.trainer.device == "cpu" and cfg.model.mixed_precision is None and cfg.rollout.dtype == "bfloat16"
+    # the engine follows the trainer (tests/trainer/test_check_bands.py): fp32 on both sides
+    assert cfg.trainer.device == "cpu" and cfg.model.mixed_precision is None and cfg.rollout.dtype == "float32"
     assert record["model.mixed_precision"]["value"] == "float32"
     assert "hidden size 128 < 512" in record["model.mixed_precision"]["why"]
-    assert record["rollout.dtype"] == {"value": "bfloat16", "why": "null with vllm: AMX tiles"}
+    assert record["rollout.dtype"] == {"value": "float32", "why": "null with vllm: the trainer's compute dtype "
+                                       "(float32), so both sides compute alike (AMX tiles)"}
     assert record["trainer.device"]["value"] == "cpu"
     cfg = grpo_config(tmp_path, f"model.path={wide}")
     record = resolve_choices(cfg)
     assert cfg.model.mixed_precision == "bfloat16" and "hidden size 512 >= 512" in record["model.mixed_precision"]["why"]
-    assert "rollout.dtype" not in record and cfg.rollout.dtype is None  # the HF engine samples in model.dtype
+    assert cfg.rollout.dtype == "bfloat16" and "both sides compute alike" in record["rollout.dtype"]["why"]
 
 
 def test_no_native_bf16_means_fp32_whatever_the_width(tmp_path, monkeypatch, narrow_and_wide):

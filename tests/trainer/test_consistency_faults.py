@@ -1,7 +1,7 @@
 """The consistency check names each planted fault within one step, on a real tiny model: an actor and
 an HF rollout engine colocated in this process (the hybrid engine), the actor's real update, the
 engine's real sampling and weight checksums. Faults: (a) the engine not synced after an update, (b) a
-bf16 engine with an fp32 trainer, (c) top-p sampling scored without the filter, (d) a chat template
+bf16 engine where the config says fp32, (c) top-p sampling scored without the filter, (d) a chat template
 that re-rendered earlier turns, (e) a NaN reward, (f) a weight bucket skipped in a bucketed sync.
 The clean setup stays inside every band."""
 
@@ -50,7 +50,7 @@ def tok(model_dir):
 class Hybrid:
     """Actor + rollout in this process, and a ConsistencyCheck watching them (defaults unless given)."""
 
-    def __init__(self, model_dir, rollout=None, actor=None, **check):
+    def __init__(self, model_dir, rollout=None, actor=None, expected=(None, None), **check):
         actor = ClassWithInitArgs(ActorWorker, {"model": {"path": model_dir, "mixed_precision": None},
                                                 "actor": {"lr": 1e-2, **(actor or {})}})
         engine = ClassWithInitArgs(RolloutWorker, {"model": {"path": model_dir},
@@ -60,7 +60,7 @@ class Hybrid:
         self.wg.rollout_init_model()
         self.out = io.StringIO()
         self.check = ConsistencyCheck(CheckConfig(**check), SimpleNamespace(weight_checksums=self.wg.actor_weight_checksums),
-                                      self.wg.rollout_weight_checksums, out=self.out)
+                                      self.wg.rollout_weight_checksums, out=self.out, expected=expected)
 
     def generate(self, tok, **meta):
         return self.wg.rollout_generate_sequences(make_prompts(tok, meta_info={"n": 4, "seed": 3, **meta}))
@@ -106,8 +106,12 @@ def test_a_engine_not_synced_after_an_update(model_dir, tok):
     assert "weights not synced" in h.out.getvalue()
 
 
+FP32_CONFIG = ("float32", "float32")  # what the run's config says (a bf16 engine on purpose is silent: test_check_bands)
+
+
 def test_b_bf16_engine_with_fp32_trainer(model_dir, tok):
-    h = Hybrid(model_dir, rollout={"dtype": "bfloat16"})
+    """The config says fp32 on both sides; the engine is in bf16."""
+    h = Hybrid(model_dir, rollout={"dtype": "bfloat16"}, expected=FP32_CONFIG)
     m = h.step(tok, 1)
     assert m["check/logprob_abs_diff_mean"] > 1e-4
     assert m["check/weights_mismatch"] == 0  # the engine holds the trainer's weights, rounded to bf16
@@ -229,7 +233,7 @@ def test_f_weight_bucket_skipped(model_dir, tok):
 
 
 def test_strict_stops_the_run(model_dir, tok):
-    h = Hybrid(model_dir, rollout={"dtype": "bfloat16"}, strict=True)
+    h = Hybrid(model_dir, rollout={"dtype": "bfloat16"}, expected=FP32_CONFIG, strict=True)
     with pytest.raises(ConsistencyError, match=r"dtype differs.*strict=true"):
         h.step(tok, 1)
 
