@@ -1,6 +1,7 @@
 """What the chat proxy tests share: sampling settings, a recording router, a served proxy on the real
 tiny-model engine, the stock client on a session, greedy decoding by hand, the template's rendering."""
 
+import asyncio
 import contextlib
 import time
 
@@ -85,17 +86,29 @@ def render(tok, messages, **kw) -> list[int]:
 
 
 class SlowSteps:
-    """Each decode step of the engine takes ``delay_s`` longer (a turn that visibly takes time)."""
+    """Each decode step of the engine takes ``delay_s`` longer (a turn that visibly takes time); ``steps``
+    counts the steps taken so far (what a test compares events against, rather than the clock)."""
 
     def __init__(self, engine, delay_s):
         self.batch, self.delay_s = engine.batch, delay_s
+        self.steps = 0
 
     def __call__(self, tokens):
         time.sleep(self.delay_s)
-        return type(self.batch).step(self.batch, tokens)
+        out = type(self.batch).step(self.batch, tokens)
+        self.steps += 1
+        return out
 
     def __enter__(self):
         self.batch.step = self
+        return self
 
     def __exit__(self, *exc):
         del self.batch.step
+
+
+async def until_idle(engine, hang_guard_s=60.0):
+    """Waits for the engine to have nothing running (a hang guard: a dropped request goes at its next step)."""
+    deadline = time.monotonic() + hang_guard_s
+    while (engine.num_running() or engine.rows) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)

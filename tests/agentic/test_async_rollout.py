@@ -331,8 +331,11 @@ def test_pool_resubmits_the_groups_of_a_dead_runner(runners, servers, model_dir)
     ray.get(victim.stats.remote(), timeout=120)  # started
     pool = RolloutPool([runners[0], victim], task_stream(), group_size=2, groups_in_flight=4).start()
     try:
-        time.sleep(0.2)  # two groups on each runner, none can be done (an env step alone takes 0.3 s)
-        ray.kill(victim)
+        deadline = time.monotonic() + 120  # a hang guard
+        while not any(" on runner 1: " in line for line in pool.describe()):  # a group is being played there
+            assert time.monotonic() < deadline, pool.describe()
+            time.sleep(0.01)
+        ray.kill(victim)  # within a poll of it starting: not done (an env step alone takes 0.3 s)
         assert_groups(pool.get_groups(4, current_version=0, timeout_s=120), 4, 2)
         metrics = pool.metrics()
         assert metrics["pool/resubmitted"] >= 1

@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import json
 import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -21,7 +20,7 @@ import torch
 from transformers import AutoTokenizer
 
 from recipes.chat_agent_grpo import chat_metrics
-from chat_helpers import CALC, CALL_TEXT, GREEDY, SAMPLED, SlowSteps, client, hand_greedy, render, serving
+from chat_helpers import CALC, CALL_TEXT, GREEDY, SAMPLED, SlowSteps, client, hand_greedy, render, serving, until_idle
 from rlcore.agentic.chat_agent import ChatAgentRunner, ChatAgentSpec
 from rlcore.agentic.chat_proxy import session_trajectories
 from rlcore.agentic.episode import to_dataproto
@@ -70,18 +69,17 @@ def test_a_streamed_reply_arrives_while_the_engine_samples_it(model_dir, tok):
         async with serving(model_dir, long) as (proxy, rec, engine):
             c = client(proxy.open_session("s", 400))
             whole = await c.chat.completions.create(model="policy", messages=messages)
-            arrivals, texts = [], []
-            with SlowSteps(engine, 0.005):
-                start = time.perf_counter()
+            arrivals, texts = [], []  # arrivals: the engine's steps taken when each delta came
+            with SlowSteps(engine, 0.005) as slow:
                 async for ch in await c.chat.completions.create(model="policy", messages=messages, stream=True):
                     if ch.choices and ch.choices[0].delta.content:
-                        arrivals.append(time.perf_counter() - start)
+                        arrivals.append(slow.steps)
                         texts.append(ch.choices[0].delta.content)
             return whole, arrivals, texts, proxy.close_session("s"), rec
 
     whole, arrivals, texts, session, rec = asyncio.run(scenario())
     assert len(texts) > 100  # token by token
-    assert arrivals[0] < 0.25 * arrivals[-1]  # 150 steps of >= 5 ms: the first delta came while sampling
+    assert arrivals[0] < arrivals[-1]  # the engine stepped on after the first delta came: it came while sampling
     assert "".join(texts) == whole.choices[0].message.content
     [segment] = session.segments
     streamed = rec.streamed[0]
@@ -356,10 +354,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_request_and_the_sessio
                         async for line in r.aiter_lines():
                             if '"content": "' in line and '"content": ""' not in line:
                                 break  # read one token's delta, then hang up
-                for _ in range(500):  # the engine drops the request at its next step
-                    if engine.num_running() == 0 and not engine.rows:
-                        break
-                    await asyncio.sleep(0.01)
+                await until_idle(engine)  # the engine drops the request at its next step
                 dropped_after = len(rec.streamed[0])
             running = engine.num_running()
             reply = await client(access).chat.completions.create(model="p", messages=messages, max_tokens=5)
@@ -369,7 +364,7 @@ def test_a_client_that_disconnects_mid_stream_cancels_the_request_and_the_sessio
             return proxy.close_session("s"), rec.calls, running, dropped_after
 
     session, calls, running, dropped_after = asyncio.run(scenario())
-    assert running == 0 and 0 < dropped_after < 1000  # cancelled, far from its 2000 tokens
+    assert running == 0 and 0 < dropped_after < 2000  # cancelled before its 2000 tokens (no bound on how soon)
     assert calls[0][2] is None and len(calls) == 3  # the hung-up stream never completed
     [segment] = session.segments  # nothing of it was recorded: the retry continued the same context
     assert session.discarded_replies == 0

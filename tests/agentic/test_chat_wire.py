@@ -16,7 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from chat_helpers import CALC, CALL_TEXT, GREEDY, SAMPLED, SlowSteps, client, hand_greedy, render, serving
+from chat_helpers import CALC, CALL_TEXT, GREEDY, SAMPLED, SlowSteps, client, hand_greedy, render, serving, until_idle
 from rlcore.agentic.chat import ChatDelta
 from rlcore.models.tiny import build_char_tokenizer
 
@@ -191,10 +191,7 @@ def test_a_client_hang_up_leaves_no_asyncio_traceback(model_dir, caplog, capfd):
                             async for line in r.aiter_lines():
                                 if '"content": "' in line and '"content": ""' not in line:
                                     break  # one delta, then hang up
-                    for _ in range(500):
-                        if engine.num_running() == 0 and not engine.rows:
-                            break
-                        await asyncio.sleep(0.01)
+                    await until_idle(engine)
                 gc.collect()  # a future nobody retrieved complains when it is collected
                 await asyncio.sleep(0.05)
             return engine.num_running()

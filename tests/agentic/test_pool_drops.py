@@ -28,12 +28,17 @@ class ScriptedRunner:
 
     def __init__(self):
         self.finished = FinishedEpisodes()
+        self.done: dict[str, int] = {}  # episodes finished per data source: what the tests wait for, not the clock
 
     async def _episode(self, task, i):
         await asyncio.sleep(task["delays"][i])
         if task.get("fail") == i:
             raise RuntimeError(f"env exploded in episode {i}")
+        self.done[task["data_source"]] = self.done.get(task["data_source"], 0) + 1
         return traj(task["rewards"][i], task["version"])
+
+    def episodes_done(self, data_source):
+        return self.done.get(data_source, 0)
 
     async def run_group(self, group_id, task, size):
         return await self.finished.gather(group_id, [self._episode(task, i) for i in range(size)], lambda t: t.reward)
@@ -48,9 +53,20 @@ def tasks(*head, tail):
 
 
 def wait_for(pool, predicate, timeout_s=30.0):
+    """Polls the pool's metrics until ``predicate`` holds (``timeout_s``: a hang guard)."""
     deadline = time.monotonic() + timeout_s
     while not predicate(pool.metrics()):
         assert time.monotonic() < deadline, "the pool never got there"
+        time.sleep(0.02)
+
+
+def wait_for_episodes(runner, data_source, n, timeout_s=30.0):
+    """Polls the scripted runner until ``n`` episodes of ``data_source`` have finished (a hang guard)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while ray.get(runner.episodes_done.remote(data_source), timeout=timeout_s) < n:
+        assert time.monotonic() < deadline, f"{n} {data_source} episode(s) never finished"
         time.sleep(0.02)
 
 
@@ -131,6 +147,7 @@ def test_stale_and_cut_groups_are_counted_with_sources_and_rewards(scripted, tmp
         [kept] = pool.get_groups(1, current_version=0, timeout_s=30)
         assert [t.reward for t in kept] == [1.0, 1.0]
         # The hard group comes back at ~1 s, sampled by version 0; the trainer is at 1: stale, and said so.
+        wait_for_episodes(scripted, "hard", 2)  # both its episodes played (the pool collects it within its poll)
         with caplog.at_level(logging.WARNING, logger="rlcore.agentic.drops"):
             with pytest.raises(TimeoutError, match="gave 0 of 1 groups"):
                 pool.get_groups(1, current_version=1, timeout_s=3)
@@ -144,8 +161,8 @@ def test_stale_and_cut_groups_are_counted_with_sources_and_rewards(scripted, tmp
         assert m["pool/dropped_reward_mean"] == 0.25 and m["pool/kept_reward_mean"] == 1.0
         assert any("(tail) on runner 0: played" in line for line in pool.describe())
         wait_for(pool, lambda m: m["pool/in_flight"] == 3)
-        time.sleep(0.3)  # each tail group's fast episode has finished
         in_flight = int(pool.metrics()["pool/in_flight"])
+        wait_for_episodes(scripted, "tail", in_flight)  # each tail group's fast episode has finished
     finally:
         pool.stop()
     summary = pool.drops.summary()

@@ -30,7 +30,9 @@ RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1"]
 @pytest.mark.timeout(240)
 def test_worker_killed_mid_step(tmp_path, fault_model, fault, ray_cluster, monkeypatch):
     """SIGKILL to the rank's process right after step 2's generate_sequences is sent to it: the driver fails
-    within seconds naming the method and the rank; resume=auto then continues from checkpoint 1 to the end."""
+    naming the method and the rank; resume=auto then continues from checkpoint 1 to the end. No bound on the
+    time: the error's kind shows the driver saw the death (a call that waited instead would end in
+    WorkerTimeoutError after the group's hour-long default timeout; the test's own timeout is the hang guard)."""
     overrides = [*RAY, "trainer.total_steps=3", "trainer.save_freq=1", "trainer.run_name=worker_kill"]
     real_submit = RayWorkerGroup._submit
     kill = {"generate_calls": 0}
@@ -55,7 +57,6 @@ def test_worker_killed_mid_step(tmp_path, fault_model, fault, ray_cluster, monke
     assert (err.value.method, err.value.rank) == ("generate_sequences", 0)
     assert message.startswith("generate_sequences failed on rank 0") and "died" in message, message
     assert str(kill["pid"]) in message, message  # Ray's text names the process (and the actor: its roles)
-    assert detected_s < 30, detected_s
     actor = re.search(r"\bname: (\S+)", message)  # Ray's text names the actor: <project>_<roles>_rank<r>_<id>
     assert actor and "rollout" in actor.group(1), message
     resumed = recipes.grpo.train(config("grpo", fault_model, tmp_path, *overrides, "trainer.resume=auto"))

@@ -28,7 +28,7 @@ class Napper(Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def nap_until_released(self, folder: str, only_rank: int):
-        """On ``only_rank``: say so in ``folder``, then sleep until the test releases it (60 s at most)."""
+        """On ``only_rank``: say so in ``folder``, then sleep until the test releases it (a hang guard: 60 s at most)."""
         if self.rank == only_rank:
             (Path(folder) / "started").touch()
             deadline = time.monotonic() + 60
@@ -43,26 +43,29 @@ class Napper(Worker):
 
 
 def wait_until(predicate, timeout_s=30.0):
+    """Polls ``predicate`` (a hang guard of ``timeout_s``: what it waits for takes well under a second)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "never got there"
         time.sleep(0.02)
 
 
-def test_local_group_reports_the_running_call_and_its_thread_stack():
+def test_local_group_reports_the_running_call_and_its_thread_stack(tmp_path):
     group = LocalWorkerGroup(ClassWithInitArgs(Napper))
     assert group.in_flight() == []
-    caller = threading.Thread(target=group.nap_for_a_while, args=(1.5,), name="the-driver-step")
+    caller = threading.Thread(target=group.nap_until_released, args=(str(tmp_path), 0), name="the-driver-step")
+    before = time.monotonic()
     caller.start()
-    try:
+    try:  # the call stays in flight until released (no race with a machine's speed)
         wait_until(lambda: group.in_flight() and group.in_flight()[0].pending)
         [call] = group.in_flight()
-        assert (call.group, call.method, call.ranks, call.pending) == ("Napper", "nap_for_a_while", [0], [0])
-        assert call.thread == caller.ident and 0 <= call.age_s() < 1.5
+        assert (call.group, call.method, call.ranks, call.pending) == ("Napper", "nap_until_released", [0], [0])
+        assert call.thread == caller.ident and 0 <= call.age_s() <= time.monotonic() - before  # its age: since the call
         assert any(c is call or (g is group and c.method == call.method) for g, c in in_flight_calls())
         stacks = group.dump_stacks([0])
-        assert "nap_for_a_while" in stacks[0] and "the-driver-step" in stacks[0], stacks[0]
+        assert "nap_until_released" in stacks[0] and "the-driver-step" in stacks[0], stacks[0]
     finally:
+        (tmp_path / "release").touch()
         caller.join()
     assert group.in_flight() == []  # collected: no longer in flight
 

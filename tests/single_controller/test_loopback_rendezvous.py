@@ -103,10 +103,21 @@ from omegaconf import OmegaConf
 from rlcore.trainer.builder import init_ray
 init_ray(OmegaConf.create({"trainer": {"ray_address": None, "ray_num_cpus": 1, "ray_connect_timeout_s": 5}}))
 ray.get(ray.remote(lambda: 1).remote())  # a worker process too
-time.sleep(3)  # the agents open their ports after ray.init returns
-ours = {p.pid: p.name() for p in psutil.Process().children(recursive=True)} | {os.getpid(): "driver"}
-print(sorted({(ours[c.pid], c.laddr.ip) for c in psutil.net_connections("inet")
-              if c.status == psutil.CONN_LISTEN and c.pid in ours}))
+def name(p):
+    try:
+        return p.name()
+    except psutil.NoSuchProcess:  # exited since it was listed
+        return None
+def listeners():
+    ours = {p.pid: name(p) for p in psutil.Process().children(recursive=True)} | {os.getpid(): "driver"}
+    ours = {pid: n for pid, n in ours.items() if n}
+    return sorted({(ours[c.pid], c.laddr.ip) for c in psutil.net_connections("inet")
+                   if c.status == psutil.CONN_LISTEN and c.pid in ours})
+deadline = time.monotonic() + 120  # a hang guard: the agents open their ports after ray.init returns
+while not any("Agent" in n for n, _ in listeners()) and time.monotonic() < deadline:
+    time.sleep(0.2)
+time.sleep(1)  # their other ports, if any, a moment later (a shorter wait only sees fewer, never fails)
+print(listeners())
 ray.shutdown()
 """
 
