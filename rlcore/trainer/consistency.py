@@ -222,6 +222,8 @@ class ConsistencyCheck:
         self._elements: dict[str, int] | None = None  # the trainer's elements per tensor, at the last comparison
         self.bands = Bands(cfg, expected, why)
         self._announce()
+        self._step = 0  # the step being judged: where a note of the probe is kept
+        self._hear(probe)
         self.warned: dict[str, str] = {}  # cause key -> message, each warned once
         self.last_weights: WeightReport | None = None
         self._out = False  # the last step left a band
@@ -249,7 +251,13 @@ class ConsistencyCheck:
         self.engines = engines
         if probe is not None:
             self.probe = probe
+            self._hear(probe)
             self.calibrate()
+
+    def _hear(self, probe: ProbeCheck | None) -> None:
+        """The probe's notes said and kept like the check's own."""
+        if probe is not None:
+            probe.note = lambda cause, text: self.say(self._step, cause, text)
 
     def calibrate(self) -> None:
         """The probe's noise with identical weights (``ProbeCheck.calibrate``): its bands follow the run's."""
@@ -261,7 +269,7 @@ class ConsistencyCheck:
         ``check/band_*`` once calibrated)."""
         freq = self.cfg.weight_checksum_freq
         due = freq > 0 and (step == 1 or step % freq == 0)  # by step number, which a resumed run continues
-        tokens = "check/tokens" in metrics
+        tokens, self._step = "check/tokens" in metrics, step
         # no sampled token trained on this step: nothing to judge in the log-probs; with engines to check
         # (all advantages zero, every row skipped) a comparison that was due still runs; SFT, reward model: none
         if not self.cfg.enable or not (tokens or (due and self.connected())):

@@ -130,6 +130,9 @@ class ProbeCheck:
         self.off: str | None = None
         self.last: ProbeReport | None = None
         self.seconds = 0.0  # the last probe's cost, both sides
+        # where its notes go: (cause, text); the run's check sets its own, which also keeps them (check.jsonl)
+        self.note: Callable[[str, str], None] = lambda cause, text: print(f"consistency check: {text}", file=self.out,
+                                                                          flush=True)
         self.baselines: list[float] | None = None  # each engine's difference with identical weights
 
     def calibrate(self) -> list[float] | None:
@@ -144,10 +147,10 @@ class ProbeCheck:
         for i, (engine, base) in enumerate(zip(engines, self.baselines)):
             floor = self.band(engine["dtype"], trainer["dtype"], None)
             if base > SUSPECT_CALIBRATION * floor:  # the noise floor it sets would hide real faults: say so
-                print(f"consistency check: the probe's calibration found engine {i} {base:.3g} nats per token from "
-                      f"the trainer where both should hold the same weights ({SUSPECT_CALIBRATION:g}x the "
-                      f"{engine['dtype']}/{trainer['dtype']} floor): was the engine synced before the run started? "
-                      "Its probe band is that wide from now on", file=self.out, flush=True)
+                self.note("probe_calibration", f"the probe's calibration found engine {i} {base:.3g} nats per token "
+                          f"from the trainer where both should hold the same weights ({SUSPECT_CALIBRATION:g}x the "
+                          f"{engine['dtype']}/{trainer['dtype']} floor): was the engine synced before the run started? "
+                          "Its probe band is that wide from now on")
         return self.baselines
 
     def _replies(self, ids: list[int]) -> tuple[list | None, dict | None]:
@@ -156,7 +159,7 @@ class ProbeCheck:
         engines = self.engines(ids)
         if not engines or any(reply is None for reply in engines):
             self.off = "the rollout engine cannot score a probe sequence"
-            print(f"consistency check: end-to-end probe off for this run ({self.off})", file=self.out, flush=True)
+            self.note("probe_off", f"end-to-end probe off for this run ({self.off})")
             return None, None
         trainer = self.trainer(ids)
         return engines, trainer[0] if isinstance(trainer, list) else trainer
