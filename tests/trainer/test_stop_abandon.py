@@ -5,8 +5,11 @@ with 128 + the signal's number, and the resumed run logs exactly the metrics of 
 The signal is sent from inside the generation itself (a forward hook on the engine's model, at a chosen
 forward of a chosen step's generate), so where it lands never depends on the machine's speed."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from rlcore.trainer.tracking import read_jsonl_metrics
 pytestmark = pytest.mark.slow
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 LENGTH_REWARD = Path(__file__).resolve().parents[1] / "recipes" / "length_reward.py"  # random-model samples score apart
+REPO = CONFIG_DIR.parent.parent
 TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 
 
@@ -104,3 +108,53 @@ def test_a_signal_mid_generation_saves_the_step_before_and_the_resumed_run_match
     assert resumed.start_step == 2
     assert comparable(run_dir / "metrics.jsonl") == uninterrupted
     assert len({r["reward/score/mean"] for r in uninterrupted}) > 1  # sampled: steps differ, so equality means something
+
+
+VLLM_RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1", "rollout.backend=vllm", "rollout.dtype=float32",
+            "rollout.kv_cache_memory_bytes=268435456", "rollout.max_model_len=128", "rollout.ignore_eos=true"]
+HOOK_DIR = Path(__file__).with_name("stop_hook")  # its sitecustomize.py signals from inside vLLM's engine loop
+
+
+def run_grpo(tmp_path: Path, out: Path, model: str, *args: str, stop_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOK_DIR), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RLCORE_TEST_STOP_AT", None)
+    pid_file = tmp_path / "driver.pid"
+    if stop_at:
+        env["RLCORE_TEST_STOP_AT"] = f"{pid_file},{stop_at}"
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.grpo", *overrides(model, out), *VLLM_RAY, *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file.write_text(str(proc.pid))
+    out_text, err_text = proc.communicate(timeout=500)  # a bound on a hang only
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out_text, err_text)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143)])
+def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_step_before(tmp_path, tiny_model, sig, code):
+    pytest.importorskip("vllm")
+    whole = run_grpo(tmp_path, tmp_path / "whole", tiny_model, "trainer.total_steps=3")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    stopped = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3",
+                       stop_at=f"{int(sig)},3,2")  # step 3's generate, at its second engine step
+    assert stopped.returncode == code, stopped.stderr[-3000:]
+    hook = json.loads((tmp_path / "driver.pid.json").read_text())
+    # the worker's engine stopped inside the engine step that signalled (none after it) and vLLM's
+    # unfinished requests (all 8 rows) were aborted
+    assert hook["engine_steps"] == 2 and "never_abandoned" not in hook, hook
+    assert hook["unfinished_before_abort"] == 8 and hook["unfinished_after_abort"] == 0, hook
+    run_dir = tmp_path / "split" / "grpo" / "default"
+    ckpt = run_dir / "checkpoints" / "global_step_2"
+    assert find_latest_checkpoint(ckpt.parent) == (2, ckpt)
+    assert f"stopped by {sig.name} during step 3 (abandoned); checkpoint {ckpt} (step 2)" in stopped.stdout
+    resumed = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3", "trainer.resume=auto")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected = comparable(tmp_path / "whole" / "grpo" / "default" / "metrics.jsonl")
+    got = comparable(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3]
+    for want, have in zip(expected, got):  # vLLM's CPU kernels: engine log-probs to 1e-6 (tests/recipes/test_recipes.py)
+        engine_numerics = {k for k in want if k.startswith("check/logprob")}
+        assert {k: have.get(k) for k in want if k not in engine_numerics} == {
+            k: v for k, v in want.items() if k not in engine_numerics}
+        for k in engine_numerics:
+            assert have.get(k) == pytest.approx(want[k], abs=1e-6), k
