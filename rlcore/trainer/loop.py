@@ -153,7 +153,8 @@ class TrainingRun:
         self._can_abandon = True  # False once prompts are drawn ahead of the steps (a producer thread)
         self._step_began: dict[str, Any] | None = None  # loader, RNG and state as the step under way found them
         self._step = 0
-        self._stop = StopSignals(lambda: self._abandonable and self._can_abandon,
+        self._validating = False  # a validation's generation: abandoned too (the step it follows is saved)
+        self._stop = StopSignals(lambda: (self._abandonable and self._can_abandon) or self._validating,
                                  lambda: self._stop.missed.extend(abandon_workers()))
         self._stop.install()
         self._teardown.callback(self._stop.restore)
@@ -215,7 +216,11 @@ class TrainingRun:
 
     def validate(self) -> dict[str, float]:
         with self.timer("validate"):
-            self.last_val = self._validate()
+            self._validating = True
+            try:
+                self.last_val = self._validate()
+            finally:
+                self._validating = False
         return self.last_val
 
     def end_step(self, step: int, metrics: Mapping[str, float], batch: DataProto | None = None) -> None:
@@ -224,7 +229,13 @@ class TrainingRun:
         self._abandonable = False  # the step's work is done: it is saved, not abandoned
         out = dict(metrics)
         if t.val_freq and (step % t.val_freq == 0 or step == t.total_steps):
-            out.update(self.validate())
+            try:
+                out.update(self.validate())
+            except Exception:
+                if not self._stop.abandoning:
+                    raise
+                drain_calls()  # a stop signal gave the validation up: the step is saved and logged without it
+                print(f"validation after step {step} abandoned: its val/ metrics are not logged", flush=True)
         if t.save_freq and step % t.save_freq == 0:
             with self.timer("save_checkpoint"):
                 self.save(step)
@@ -261,12 +272,14 @@ class TrainingRun:
         if not isinstance(error, StepAbandoned) and "AbandonedCallError" not in str(error):
             print(f"(while abandoning step {self._step}: {type(error).__name__}: {str(error)[:300]})", flush=True)
         late = drain_calls()
+        drained = self._stop.since()
         if late:
             print(f"calls still running after the stop, so nothing new is saved: {late}", flush=True)
         elif step > self.start_step and self._saved_at != step:
             restore_rng_state(self._step_began["rng"])  # in-process workers save this process's RNG too
             with self.timer("save_checkpoint"):
                 self.save(step, self._step_began)
+        print(f"abandoned calls ended {drained}; saved {self._stop.since()}", flush=True)
         missed = "".join(f"; {m}" for m in self._stop.missed)
         found = find_latest_checkpoint(self.ckpt_dir)
         where = (f"checkpoint {found[1]} (step {found[0]}): continue with trainer.resume=auto, or export it with "
@@ -283,6 +296,7 @@ class TrainingRun:
         if step > self.start_step and self._saved_at != step:
             with self.timer("save_checkpoint"):
                 self.save(step)
+            print(f"saved {self._stop.since()}", flush=True)
         found = find_latest_checkpoint(self.ckpt_dir)
         where = (f"checkpoint {found[1]} (step {found[0]}): continue with trainer.resume=auto, or export it with "
                  f"python -m rlcore.trainer.export {found[1]}" if found else "no step finished, nothing saved")

@@ -70,6 +70,7 @@ class StopSignals:
         self.signum: int | None = None
         self.abandoning = False  # the step under way is being given up
         self.missed: list[str] = []  # ranks the abandon signal could not reach
+        self.received_at = 0.0  # time.monotonic() of the first signal
         self._abandonable, self._on_abandon = abandonable, on_abandon
         self._previous: dict[int, Any] = {}
 
@@ -92,12 +93,15 @@ class StopSignals:
     def exit_code(self) -> int:
         return 128 + int(self.signum)
 
+    def since(self) -> str:
+        return f"{time.monotonic() - self.received_at:.1f}s after the signal"
+
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:  # the second one: stop now, whatever is running
             print(f"\n{name} again: exiting now without saving", file=sys.stderr, flush=True)
             raise RunStopped(128 + signum)
-        self.signum = signum
+        self.signum, self.received_at = signum, time.monotonic()
         if not self._abandonable():
             print(f"\n{name} received: finishing the current step, saving a checkpoint of it, then exiting "
                   f"(send {name} again to exit at once without saving)", file=sys.stderr, flush=True)
@@ -117,18 +121,12 @@ def abandon_workers() -> list[str]:
 
 
 def drain_calls(timeout_s: float = DRAIN_TIMEOUT_S) -> list[str]:
-    """Wait (at most ``timeout_s`` in all) for the group calls still in flight to end, however they end
-    (abandoned ones end with an error), so that the workers are free to save. Returns the calls that
-    did not end in time, as ``group.method``."""
+    """Wait (at most ``timeout_s``) until no rank is still running a group call, however the calls end
+    (abandoned ones end with an error), so that the workers are free to save. Returns the calls still
+    running then, as ``group.method``."""
     deadline = time.monotonic() + timeout_s
-    late = []
-    for group, call in in_flight_calls():
-        if call.handles is None:
-            continue
-        try:
-            group._wait(call.handles, call.ranks, call.method, max(0.1, deadline - time.monotonic()))
-        except TimeoutError:
-            late.append(f"{call.group}.{call.method}")
-        except Exception:  # noqa: BLE001 - an abandoned call ends with an error: that is the point
-            pass
-    return late
+    while True:
+        running = [f"{call.group}.{call.method}" for _, call in in_flight_calls() if call.pending]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.05)

@@ -110,6 +110,19 @@ def test_a_signal_mid_generation_saves_the_step_before_and_the_resumed_run_match
     assert len({r["reward/score/mean"] for r in uninterrupted}) > 1  # sampled: steps differ, so equality means something
 
 
+def test_a_signal_during_validation_saves_the_step_it_follows_without_its_val_metrics(tmp_path, tiny_model, monkeypatch,
+                                                                                      capsys):
+    trigger = SignalInGeneration(monkeypatch, signal.SIGTERM, at_call=3, at_forward=2)  # steps 1, 2, then val
+    with pytest.raises(RunStopped) as stopped:
+        grpo(*overrides(tiny_model, tmp_path), "trainer.total_steps=4", "trainer.val_freq=2",
+             "trainer.val_before_train=false")
+    assert stopped.value.code == 143 and trigger.forwards == 2
+    run_dir = tmp_path / "grpo" / "default"
+    assert find_latest_checkpoint(run_dir / "checkpoints")[0] == 2
+    logged = read_jsonl_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in logged] == [1, 2] and not any(k.startswith("val/") for k in logged[1])
+    assert "validation after step 2 abandoned" in capsys.readouterr().out
+
 VLLM_RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1", "rollout.backend=vllm", "rollout.dtype=float32",
             "rollout.kv_cache_memory_bytes=268435456", "rollout.max_model_len=128", "rollout.ignore_eos=true"]
 HOOK_DIR = Path(__file__).with_name("stop_hook")  # its sitecustomize.py signals from inside vLLM's engine loop
