@@ -77,7 +77,8 @@ def main() -> None:
     took = time.monotonic() - sent
     log.close()
     text = (out / "run.log").read_text()
-    account = [line for line in text.splitlines() if line.startswith(("abandoned calls", "saved ", "stopped by", f"SIG{args.signal}"))]
+    said = ("abandoned calls", "saved ", "stopped by", f"SIG{args.signal}")
+    account = [line for line in text.splitlines() if line.startswith(said)]
     step_t = {k: round(v, 1) for k, v in row.items() if k.startswith("timing_s/") and v >= 0.5}
     print(json.dumps({"signal": f"SIG{args.signal}", "at": args.at, "seconds_into_step": round(wait, 1),
                       "exit_code": code, "signal_to_exit_s": round(took, 1), "load_avg_1min": round(load, 1),

@@ -154,7 +154,7 @@ class TrainingRun:
         self._step_began: dict[str, Any] | None = None  # loader, RNG and state as the step under way found them
         self._step = 0
         self._validating = False  # a validation's generation: abandoned too (the step it follows is saved)
-        self._stop = StopSignals(lambda: (self._abandonable and self._can_abandon) or self._validating,
+        self._stop = StopSignals(lambda: (self._abandonable or self._validating) and self._can_abandon,
                                  lambda: self._stop.missed.extend(abandon_workers()))
         self._stop.install()
         self._teardown.callback(self._stop.restore)

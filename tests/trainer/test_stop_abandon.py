@@ -107,7 +107,7 @@ def test_a_signal_mid_generation_saves_the_step_before_and_the_resumed_run_match
     resumed = grpo(*overrides(tiny_model, tmp_path), "trainer.total_steps=4", "trainer.resume=auto")
     assert resumed.start_step == 2
     assert comparable(run_dir / "metrics.jsonl") == uninterrupted
-    assert len({r["reward/score/mean"] for r in uninterrupted}) > 1  # sampled: steps differ, so equality means something
+    assert len({r["reward/score/mean"] for r in uninterrupted}) > 1  # sampled steps differ: equality means something
 
 
 def test_a_signal_during_validation_saves_the_step_it_follows_without_its_val_metrics(tmp_path, tiny_model, monkeypatch,
@@ -128,7 +128,8 @@ VLLM_RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1", "rollout.backend=v
 HOOK_DIR = Path(__file__).with_name("stop_hook")  # its sitecustomize.py signals from inside vLLM's engine loop
 
 
-def run_grpo(tmp_path: Path, out: Path, model: str, *args: str, stop_at: str | None = None) -> subprocess.CompletedProcess:
+def run_grpo(tmp_path: Path, out: Path, model: str, *args: str,
+             stop_at: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOK_DIR), str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop("RLCORE_TEST_STOP_AT", None)
     pid_file = tmp_path / "driver.pid"
@@ -144,7 +145,8 @@ def run_grpo(tmp_path: Path, out: Path, model: str, *args: str, stop_at: str | N
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143)])
-def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_step_before(tmp_path, tiny_model, sig, code):
+def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_step_before(tmp_path, tiny_model, sig,
+                                                                                          code):
     pytest.importorskip("vllm")
     whole = run_grpo(tmp_path, tmp_path / "whole", tiny_model, "trainer.total_steps=3")
     assert whole.returncode == 0, whole.stderr[-3000:]
@@ -165,7 +167,7 @@ def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_st
     expected = comparable(tmp_path / "whole" / "grpo" / "default" / "metrics.jsonl")
     got = comparable(run_dir / "metrics.jsonl")
     assert [r["step"] for r in got] == [1, 2, 3]
-    for want, have in zip(expected, got):  # vLLM's CPU kernels: engine log-probs to 1e-6 (tests/recipes/test_recipes.py)
+    for want, have in zip(expected, got):  # vLLM's CPU kernels: engine log-probs to 1e-6 (as tests/recipes/ does)
         engine_numerics = {k for k in want if k.startswith("check/logprob")}
         assert {k: have.get(k) for k in want if k not in engine_numerics} == {
             k: v for k, v in want.items() if k not in engine_numerics}
