@@ -7,8 +7,8 @@ saved instead. Only calls that read state are abandoned (``ABANDONABLE_METHODS``
 sync or a save always finishes.
 
 How a worker stops mid-call. Its process marks itself abandoning (``request_abandon``): a flag, and,
-when its main thread is inside an abandonable call right now, ``StepAbandoned`` raised there by the
-signal handler, so a generation stops after the engine step (or forward) under way, whatever engine
+when its main thread is inside a generation right now (``INTERRUPTIBLE_METHODS``), ``StepAbandoned``
+raised there by the signal handler, so a generation stops after the engine step (or forward) under way, whatever engine
 runs it (HF ``generate``, the in-process vLLM offline engine, a wait on an async engine's loop).
 ``WorkerHost.execute`` turns that into ``AbandonedCallError`` (an ordinary exception, which Ray and the
 local group return to the driver like any worker error) after asking the worker to drop the engine's
@@ -38,6 +38,11 @@ ABANDONABLE_METHODS = frozenset({
     "generate_sequences", "generate_episodes", "compute_log_prob", "compute_ref_log_prob", "compute_values",
     "compute_rm_score", "compute_reward",
 })
+# Of those, the ones stopped mid-call: generation, which runs on each rank's own engine copy. The others
+# are forwards of a sharded model whose ranks meet in collectives (FSDP's all-gathers): a rank leaving one
+# midway would leave the others waiting in it, so they finish (seconds) and only a call not yet started
+# is refused.
+INTERRUPTIBLE_METHODS = frozenset({"generate_sequences", "generate_episodes"})
 
 
 class StepAbandoned(BaseException):  # noqa: N818 - raised by a signal handler: passes ``except Exception``
@@ -77,7 +82,7 @@ def run_abandonable(method: str, call: Any, workers: dict[str, Any]) -> Any:
         return call()
     if _requested.is_set():
         raise AbandonedCallError(f"{method} not started: this worker's run is stopping")
-    in_main = threading.current_thread() is _main
+    in_main = threading.current_thread() is _main and method in INTERRUPTIBLE_METHODS
     try:
         try:
             if in_main:

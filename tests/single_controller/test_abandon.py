@@ -64,3 +64,13 @@ def test_the_driver_signals_only_ranks_with_a_handler_in_a_process_of_their_own(
                        {"rank": 2, "pid": 12345, "node_ip": "10.9.9.9", "abandon_handler": True}]
 
     assert abandon.signal_workers([Group()]) == ["rank 2 runs on 10.9.9.9: its calls finish"]
+
+
+def test_a_sharded_forward_under_way_finishes_its_collectives_and_the_next_is_refused(worker_process):
+    def forward():
+        os.kill(os.getpid(), abandon.ABANDON_SIGNAL)
+        return "log-probs"  # other ranks may be waiting in this forward's all-gathers: it is not cut
+
+    assert run_abandonable("compute_log_prob", forward, {}) == "log-probs"
+    with pytest.raises(AbandonedCallError, match="compute_ref_log_prob not started"):
+        run_abandonable("compute_ref_log_prob", forward, {})
