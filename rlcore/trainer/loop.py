@@ -272,14 +272,15 @@ class TrainingRun:
         if not isinstance(error, StepAbandoned) and "AbandonedCallError" not in str(error):
             print(f"(while abandoning step {self._step}: {type(error).__name__}: {str(error)[:300]})", flush=True)
         late = drain_calls()
-        drained = self._stop.since()
+        done = f"abandoned calls ended {self._stop.since()}"
         if late:
             print(f"calls still running after the stop, so nothing new is saved: {late}", flush=True)
         elif step > self.start_step and self._saved_at != step:
             restore_rng_state(self._step_began["rng"])  # in-process workers save this process's RNG too
             with self.timer("save_checkpoint"):
                 self.save(step, self._step_began)
-        print(f"abandoned calls ended {drained}; saved {self._stop.since()}", flush=True)
+            done += f"; saved {self._stop.since()}"
+        print(done, flush=True)
         missed = "".join(f"; {m}" for m in self._stop.missed)
         found = find_latest_checkpoint(self.ckpt_dir)
         where = (f"checkpoint {found[1]} (step {found[0]}): continue with trainer.resume=auto, or export it with "
