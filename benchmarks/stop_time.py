@@ -6,7 +6,9 @@ for step ``--after`` to be logged, then sends the signal at a point of the next 
   gen      ``--delay`` seconds after the row was logged: the next step is generating (it is abandoned and
            step ``--after`` is saved)
   update   when step ``--after``'s own timings say the next step's update is half done (gen + reward +
-           adv + half the update, from its metrics row): the step finishes and is saved
+           adv + half the update, from its metrics row; use --after 2: step 1's generation includes the
+           engine's warm-up): the step finishes and is saved. A guess from the step before: the run's
+           message says which path it took ("finishing" or "abandoning")
 
 and reports the exit code, the seconds from the signal to the process's exit, the run's own account
 (``abandoned calls ended ... saved ...``) and the load average (shared machines: say it with the numbers).
