@@ -5,10 +5,9 @@ for step ``--after`` to be logged, then sends the signal at a point of the next 
 
   gen      ``--delay`` seconds after the row was logged: the next step is generating (it is abandoned and
            step ``--after`` is saved)
-  update   when step ``--after``'s own timings say the next step's update is half done (gen + reward +
-           adv + half the update, from its metrics row; use --after 2: step 1's generation includes the
-           engine's warm-up): the step finishes and is saved. A guess from the step before: the run's
-           message says which path it took ("finishing" or "abandoning")
+  update   ``--delay`` seconds into the next step's update: the run's stall watchdog is given a 1 s
+           deadline for update_actor, so its report file (<run>/stalls/step_N_update_actor.txt) says the
+           update is under way: the step finishes and is saved
 
 and reports the exit code, the seconds from the signal to the process's exit, the run's own account
 (``abandoned calls ended ... saved ...``) and the load average (shared machines: say it with the numbers).
@@ -50,6 +49,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="stop_time_"))
     cmd = [sys.executable, "-m", f"recipes.{args.recipe}", *args.overrides, f"trainer.output_dir={out}",
            "trainer.total_steps=1000", "trainer.loggers=[jsonl]"]
+    if args.at == "update":
+        cmd.append("trainer.watchdog.deadlines.update_actor=1")  # its stall report marks the update under way
     log = open(out / "run.log", "w")  # noqa: SIM115 - the run's own output, for the report
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -64,8 +65,11 @@ def main() -> None:
     row = done[0]
     wait = args.delay
     if args.at == "update":
-        t = {k[len("timing_s/"):]: v for k, v in row.items() if k.startswith("timing_s/")}
-        wait = sum(t.get(k, 0.0) for k in ("gen", "reward", "old_log_prob", "ref", "adv")) + t["update_actor"] / 2
+        stall = out / args.recipe / "default" / "stalls" / f"step_{args.after + 1}_update_actor.txt"
+        while not stall.exists():
+            if proc.poll() is not None or time.monotonic() - start > args.timeout:
+                sys.exit(f"the run ended or hung before step {args.after + 1}'s update: see {out / 'run.log'}")
+            time.sleep(0.1)
     time.sleep(wait)
     sig = getattr(signal, f"SIG{args.signal}")
     load = os.getloadavg()[0]
