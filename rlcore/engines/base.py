@@ -222,6 +222,10 @@ class Engine(ABC):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace the policy weights (HF parameter names, any dtype) in place."""
 
+    def abandon(self) -> None:
+        """Drop the requests of a generation given up midway (``rlcore.single_controller.abandon``), so that
+        nothing of it is computed later; nothing to do for an engine that keeps no requests between calls."""
+
     def weight_checksums(self) -> dict[str, tuple[str, int, int] | None] | None:
         """{HF name: (dtype name, elements, hash of the bytes)} of the weights this engine samples
         with (``rlcore.algos.consistency.tensor_fingerprint``), for the consistency check to compare with the trainer's;

@@ -155,6 +155,14 @@ class VLLMEngine(Engine):
                 input_ids.shape[1], width, self.routing_layers, self.routing_top_k)
         return Generation(responses=responses, lengths=lengths, log_probs=log_probs, routed_experts=routed)
 
+    def abandon(self) -> None:
+        """Abort the requests an interrupted ``generate`` left in the engine (its scheduler would otherwise
+        run them at the next call)."""
+        engine = self.llm.llm_engine
+        unfinished = list(engine.output_processor.request_states)
+        if unfinished:
+            engine.abort_request(unfinished, internal=True)
+
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         check_weight_names(self.weight_names, state_dict)
         weights = list(state_dict.items())

@@ -103,6 +103,11 @@ def in_flight_calls() -> list[tuple[Any, InFlightCall]]:
     return sorted(out, key=lambda pair: pair[1].started)
 
 
+def live_groups() -> list[Any]:
+    """Every live worker group of this process (each once, views sharing a tracker counted once)."""
+    return [group for group in (tracker.group for tracker in list(_TRACKERS)) if group is not None]
+
+
 # ------------------------------------------------------------------ stacks
 def thread_stacks(idents: set[int] | None = None) -> str:
     """The Python stacks of this process's threads (those in ``idents``; None: all), most recent call last."""

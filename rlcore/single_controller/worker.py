@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rlcore.protocol import DataProto
+from rlcore.single_controller import abandon
 from rlcore.single_controller.inflight import register_stack_dump
 
 
@@ -179,18 +180,19 @@ class WorkerHost:
 
     def build(self, env: dict[str, str], classes: dict[str, tuple[type, tuple, dict]]) -> dict:
         os.environ.update(env)
-        stack_file = None
+        stack_file, abandon_handler = None, False
         if env.get("RLCORE_IN_PROCESS") != "1":  # a process of its own: dump its stacks when signalled
             fd, stack_file = tempfile.mkstemp(prefix=f"rlcore-stacks-rank{env['RANK']}-", suffix=".txt")
             os.close(fd)
             self._stack_out = register_stack_dump(stack_file)
+            abandon_handler = abandon.install_worker_handler()  # a stopping run abandons its step's generation
         for role, (cls, args, kwargs) in classes.items():
             self.workers[role] = cls(*args, **kwargs)
         for worker in self.workers.values():
             if isinstance(worker, Worker):
                 worker.colocated_workers = self.workers
         return {"rank": int(env["RANK"]), "pid": os.getpid(), "node_ip": node_ip(), "node_id": _node_id(),
-                "stack_file": stack_file}
+                "stack_file": stack_file, "abandon_handler": abandon_handler}
 
     def execute(self, role: str, method: str, /, *args, **kwargs) -> Any:
         args = tuple(a.resolve() if isinstance(a, RemoteChunk) else a for a in args)
@@ -199,7 +201,8 @@ class WorkerHost:
         key = next(self._keys)
         self.running[key] = (role, method, time.monotonic(), threading.get_ident())
         try:
-            return getattr(self.workers[role], method)(*args, **kwargs)
+            bound = getattr(self.workers[role], method)
+            return abandon.run_abandonable(method, lambda: bound(*args, **kwargs), self.workers)
         finally:
             self.busy_s += time.perf_counter() - start
             self.running.pop(key, None)

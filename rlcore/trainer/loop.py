@@ -39,9 +39,10 @@ and does, around the recipe's own work:
   actor's adapters merged in; in a reward-model run, the reward model) in each checkpoint
   (``<ckpt>/hf``) and, after the last step, in the run folder (``<run>/hf``), which
   ``AutoModelForCausalLM.from_pretrained`` and vLLM load. Here, once, for every recipe;
-- SIGTERM / SIGINT (``timeout``, schedulers, ctrl-C; ``rlcore.trainer.stop_signal``): the step under way
-  finishes, a checkpoint of it is saved (with ``save_freq: 0`` too; its ``hf/`` with ``export_hf``), and the
-  process exits with 128 + the signal's number (143, 130); a second signal exits at once;
+- SIGTERM / SIGINT (``timeout``, schedulers, ctrl-C; ``rlcore.trainer.stop_signal``): a step still
+  generating, scoring or computing log-probs is abandoned and the step before it is checkpointed; a step
+  already updating finishes and is checkpointed (with ``save_freq: 0`` too; its ``hf/`` with ``export_hf``);
+  then the process exits with 128 + the signal's number (143, 130); a second signal exits at once;
 - teardown: used as a context manager (``with TrainingRun(...) as run:``) it closes the loggers and
   shuts the workers down however the block ends, after whatever the recipe handed to
   ``run.on_close`` (a producer thread, a second worker group), latest first.
@@ -50,9 +51,11 @@ and does, around the recipe's own work:
 from __future__ import annotations
 
 import contextlib
+import copy
 import random
 import shutil
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -74,6 +77,8 @@ from rlcore.trainer.probe_check import ProbeCheck, model_vocab_size
 from rlcore.trainer.export import exported_role, save_run_config
 from rlcore.trainer.run_checkpoint import (
     HF_DIR,
+    STATE_FILE,
+    capture_rng_state,
     find_latest_checkpoint,
     load_run_state,
     prune_checkpoints,
@@ -83,7 +88,14 @@ from rlcore.trainer.run_checkpoint import (
 )
 from rlcore.trainer.progress import phase
 from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
-from rlcore.trainer.stop_signal import RunStopped, StopSignals
+from rlcore.trainer.stop_signal import (
+    ABANDONABLE_STAGES,
+    RunStopped,
+    StepAbandoned,
+    StopSignals,
+    abandon_workers,
+    drain_calls,
+)
 from rlcore.trainer.timing import Timer, throughput_metrics
 from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
 from rlcore.trainer.trajectories import TRAINER_LOG_PROB_KEYS, TRAJECTORY_DIR, TrajectoryWriter
@@ -131,7 +143,7 @@ class TrainingRun:
         self.dir = (Path(t.output_dir) / t.project / t.run_name).resolve()
         self.ckpt_dir = self.dir / "checkpoints"
         self.watchdog = Watchdog(t.watchdog, self.dir / "stalls")  # every timed stage (and step) has a deadline
-        self.timer = Timer(watch=(self.watchdog.begin, self.watchdog.end))
+        self.timer = Timer(watch=(self._stage_begins, self.watchdog.end))
         self.check = consistency_check(cfg, workers)  # trainer vs sampler, every step (docs/correctness.md)
         self.verdicts: VerdictLog | None = None  # <run>/check.jsonl, once the start step is known (_start)
         self.last_val: dict[str, float] = {}
@@ -153,7 +165,14 @@ class TrainingRun:
             raise
         self._batches = iter(loader)
         self._step_start = time.perf_counter()
-        self._stop = StopSignals()  # SIGTERM / SIGINT: finish the step, checkpoint it, exit 128 + signum
+        # SIGTERM / SIGINT: abandon the step while it changed nothing yet, else finish it; checkpoint; exit 128 + signum
+        self._abandonable = False  # the step under way has not begun changing state (rlcore.trainer.stop_signal)
+        self._can_abandon = True  # False once prompts are drawn ahead of the steps (a producer thread)
+        self._step_began: dict[str, Any] | None = None  # loader, RNG and state as the step under way found them
+        self._step = 0
+        self._validating = False  # a validation's generation: abandoned too (the step it follows is saved)
+        self._stop = StopSignals(lambda: (self._abandonable or self._validating) and self._can_abandon,
+                                 lambda: self._stop.missed.extend(abandon_workers()))
         self._stop.install()
         self._teardown.callback(self._stop.restore)
         self._saved_at: int | None = None  # the step of this run's latest checkpoint
@@ -192,6 +211,10 @@ class TrainingRun:
         phase(f"training: steps {self.start_step + 1} to {t.total_steps}")
         for step in range(self.start_step + 1, t.total_steps + 1):
             self._stop_if_asked(step - 1)
+            self._step = step
+            self._step_began = {"loader": self.loader.state_dict(), "rng": capture_rng_state(),
+                                **{k: copy.deepcopy(v.state_dict()) for k, v in self.state.items()}}
+            self._abandonable = True
             self.timer.reset()
             self._step_start = time.perf_counter()
             self.watchdog.step = step
@@ -205,6 +228,8 @@ class TrainingRun:
         ``meta_info["seed"]``, its sampling seed: derived from ``trainer.seed`` and the batch's index in
         the run (from the loader's position, which checkpoints restore), not drawn from an RNG whose
         state a resume would have to replay."""
+        if threading.current_thread() is not threading.main_thread():
+            self._can_abandon = False  # drawn ahead by a producer: a step's start is not its data position
         position = self.loader.state_dict()
         index = position["epoch"] * len(self.loader) + position["position"]
         tensors, non_tensors = next(self._batches)
@@ -212,15 +237,26 @@ class TrainingRun:
 
     def validate(self) -> dict[str, float]:
         with self.timer("validate"):
-            self.last_val = self._validate()
+            self._validating = True
+            try:
+                self.last_val = self._validate()
+            finally:
+                self._validating = False
         return self.last_val
 
     def end_step(self, step: int, metrics: Mapping[str, float], batch: DataProto | None = None) -> None:
         """Validate and checkpoint when due, then log ``metrics`` plus timings and throughput."""
         t = self.cfg.trainer
+        self._abandonable = False  # the step's work is done: it is saved, not abandoned
         out = dict(metrics)
         if t.val_freq and (step % t.val_freq == 0 or step == t.total_steps):
-            out.update(self.validate())
+            try:
+                out.update(self.validate())
+            except Exception:
+                if not self._stop.abandoning:
+                    raise
+                drain_calls()  # a stop signal gave the validation up: the step is saved and logged without it
+                print(f"validation after step {step} abandoned: its val/ metrics are not logged", flush=True)
         if t.save_freq and step % t.save_freq == 0:
             with self.timer("save_checkpoint"):
                 self.save(step)
@@ -255,6 +291,40 @@ class TrainingRun:
             return None
         return [row for rank in actor.take_sampled_log_probs() for row in rank]
 
+    def _stage_begins(self, name: str) -> object:
+        """A timed stage begins (the phase boundaries where a stop signal can end a step): a step being
+        abandoned stops here; the first stage that changes state (update, sync, ...) ends the part of the
+        step that can be abandoned."""
+        if self._abandonable and self._stop.requested and self._can_abandon:
+            raise StepAbandoned()
+        if name not in ABANDONABLE_STAGES:
+            self._abandonable = False
+        return self.watchdog.begin(name)
+
+    def _abandon_step(self, error: BaseException) -> None:
+        """After a stop signal gave up the step under way: let the workers' abandoned calls end, checkpoint
+        the step before it as it was when this one began, and exit with 128 + the signal's number."""
+        step, self._abandonable = self._step - 1, False
+        if not isinstance(error, StepAbandoned) and "AbandonedCallError" not in str(error):
+            print(f"(while abandoning step {self._step}: {type(error).__name__}: {str(error)[:300]})", flush=True)
+        late = drain_calls()
+        done = f"abandoned calls ended {self._stop.since()}"
+        if late:
+            print(f"calls still running after the stop, so nothing new is saved: {late}", flush=True)
+        elif step > self.start_step and self._saved_at != step:
+            restore_rng_state(self._step_began["rng"])  # in-process workers save this process's RNG too
+            with self.timer("save_checkpoint"):
+                self.save(step, self._step_began)
+            done += f"; saved {self._stop.since()}"
+        print(done, flush=True)
+        missed = "".join(f"; {m}" for m in self._stop.missed)
+        found = find_latest_checkpoint(self.ckpt_dir)
+        where = (f"checkpoint {found[1]} (step {found[0]}): continue with trainer.resume=auto, or export it with "
+                 f"python -m rlcore.trainer.export {found[1]}" if found else "no step finished, nothing saved")
+        print(f"stopped by {signal.Signals(self._stop.signum).name} during step {self._step} (abandoned){missed}; "
+              f"{where}", flush=True)
+        raise RunStopped(self._stop.exit_code()) from None
+
     def _stop_if_asked(self, step: int) -> None:
         """After a stop signal (``rlcore.trainer.stop_signal``): checkpoint ``step``, the last finished one
         (unless saved already, or none finished), and exit with 128 + the signal's number."""
@@ -263,6 +333,7 @@ class TrainingRun:
         if step > self.start_step and self._saved_at != step:
             with self.timer("save_checkpoint"):
                 self.save(step)
+            print(f"saved {self._stop.since()}", flush=True)
         found = find_latest_checkpoint(self.ckpt_dir)
         where = (f"checkpoint {found[1]} (step {found[0]}): continue with trainer.resume=auto, or export it with "
                  f"python -m rlcore.trainer.export {found[1]}" if found else "no step finished, nothing saved")
@@ -287,9 +358,14 @@ class TrainingRun:
     def __enter__(self) -> "TrainingRun":
         return self
 
-    def __exit__(self, exc_type, *exc_info) -> None:
-        self._failed = exc_type is not None and not issubclass(exc_type, RunStopped)  # W&B / MLflow mark it failed
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        abandoned = exc is not None and self._stop.abandoning and isinstance(exc, (StepAbandoned, Exception))
+        self._failed = exc_type is not None and not issubclass(exc_type, RunStopped) and not abandoned  # W&B / MLflow
+        try:
+            if abandoned:
+                self._abandon_step(exc)
+        finally:
+            self.close()
 
     def on_close(self, callback: Callable[[], Any]) -> None:
         """Call ``callback`` when the run closes, before the loggers and workers (latest first)."""
@@ -300,16 +376,24 @@ class TrainingRun:
         self._teardown.close()
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, step: int) -> None:
+    def save(self, step: int, began: Mapping[str, Any] | None = None) -> None:
+        """Checkpoint ``step``: the workers' state now, and the driver's (loader position, RNG, ``state``)
+        now or, from an abandoned step, as ``began`` recorded them when it began. A checkpoint of the
+        same step already there is unmarked first: a save cut short never leaves a marker on mixed files."""
         step_dir = self.ckpt_dir / f"global_step_{step}"
+        (step_dir / STATE_FILE).unlink(missing_ok=True)
         for role, group in self.workers.trained.items():
             group.save_checkpoint(str(step_dir / role))
         if self.cfg.trainer.export_hf:
             with self.timer("export_hf"):
                 if self.export_hf(step_dir / HF_DIR, what="checkpoint"):  # before the marker: part of the checkpoint
                     self._exported_at = step
-        state = {"loader": self.loader.state_dict(), **{k: v.state_dict() for k, v in self.state.items()}}
-        save_run_state(self.ckpt_dir, step, state)  # written last: marks the checkpoint complete
+        if began is None:
+            state = {"loader": self.loader.state_dict(), **{k: v.state_dict() for k, v in self.state.items()}}
+            rng = None
+        else:
+            state, rng = {k: v for k, v in began.items() if k != "rng"}, began["rng"]
+        save_run_state(self.ckpt_dir, step, state, rng=rng)  # written last: marks the checkpoint complete
         self._saved_at = step
         if self.cfg.trainer.max_ckpt_to_keep:
             prune_checkpoints(self.ckpt_dir, self.cfg.trainer.max_ckpt_to_keep)

@@ -68,8 +68,9 @@ def _atomic_write(path: Path, write: Any) -> None:
         raise OSError(f"writing checkpoint {path} failed: {type(exc).__name__}: {exc} (disk full?)") from exc
 
 
-def save_run_state(ckpt_dir: str | Path, step: int, state: dict[str, Any]) -> Path:
-    """Write `state` plus "global_step" and "rng" to global_step_{step}/trainer_state.pt.
+def save_run_state(ckpt_dir: str | Path, step: int, state: dict[str, Any], rng: dict[str, Any] | None = None) -> Path:
+    """Write `state` plus "global_step" and "rng" (`rng`, or the generators' states now) to
+    global_step_{step}/trainer_state.pt.
 
     Call after the workers have saved their weights for this step. Returns the step folder.
     """
@@ -80,7 +81,7 @@ def save_run_state(ckpt_dir: str | Path, step: int, state: dict[str, Any]) -> Pa
         raise ValueError(f"state keys {sorted(reserved)} are reserved: save_run_state adds them")
     step_dir = Path(ckpt_dir) / f"global_step_{step}"
     step_dir.mkdir(parents=True, exist_ok=True)
-    payload = {**state, "global_step": step, "rng": capture_rng_state()}
+    payload = {**state, "global_step": step, "rng": capture_rng_state() if rng is None else rng}
     _atomic_write(step_dir / STATE_FILE, lambda p: torch.save(payload, p))
     _atomic_write(Path(ckpt_dir) / LATEST_FILE, lambda p: p.write_text(f"{step}\n"))
     return step_dir

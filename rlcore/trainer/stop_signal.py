@@ -1,12 +1,22 @@
-"""SIGTERM / SIGINT during training: finish the step, save it, exit with the signal's code.
+"""SIGTERM / SIGINT during training: save the last finished step within a grace period, exit with the signal's code.
 
 ``timeout``, batch schedulers (SLURM, Kubernetes) and ctrl-C stop a run with SIGTERM or SIGINT,
-usually with a grace period before SIGKILL. Python's defaults (and Ray's driver handler, which calls
-``sys.exit``) end the run wherever it is, leaving no model when checkpoints are off. While a
-``TrainingRun`` is open, ``StopSignals`` replaces those handlers: the first signal only records
-itself and prints what will happen; the run checks it at step boundaries (``TrainingRun.end_step``),
-checkpoints the step that just finished and exits with ``128 + signum`` (143 for SIGTERM, 130 for
-SIGINT, as a shell reports a process killed by them). A second signal exits at once. The previous
+usually with a grace period (~30 s) before SIGKILL. Python's defaults (and Ray's driver handler, which
+calls ``sys.exit``) end the run wherever it is, leaving no model when checkpoints are off. While a
+``TrainingRun`` is open, ``StopSignals`` replaces those handlers. What the first signal does depends
+on where the step is:
+
+- before the step changed any state (generating, scoring, computing log-probs: the step's
+  *abandonable* part, ``TrainingRun`` tracks it), the step is given up: the workers abandon the calls
+  they are running for it (``rlcore.single_controller.abandon``: a generation stops after its current
+  engine step), the run checkpoints the step before it (its loader position, RNG and controller
+  states as they were when this step began) and exits. A resumed run redoes the abandoned step
+  exactly: same prompts, same sampling seeds;
+- once an update has begun (update, weight sync, logging: seconds), the step finishes and is saved.
+
+Either way the process exits with ``128 + signum`` (143 for SIGTERM, 130 for SIGINT, as a shell
+reports a process killed by them). A second signal exits at once; the checkpoint being written then
+has no marker file and is never resumed from (``rlcore.trainer.run_checkpoint``). The previous
 handlers come back when the run closes.
 
 Only the main thread can install handlers; elsewhere (a run driven from a thread) nothing changes.
@@ -17,9 +27,19 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
+from rlcore.single_controller import abandon
+from rlcore.single_controller.abandon import StepAbandoned, signal_workers
+from rlcore.single_controller.inflight import in_flight_calls, live_groups
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The recipes' timed stages (``run.timer``) that only read state: a step whose stages so far were all of
+# these can be given up and redone. The first other stage (adv, update_*, sync_weights) ends that part.
+ABANDONABLE_STAGES = frozenset({"gen", "gen_greedy", "reward", "old_log_prob", "ref", "values"})
+DRAIN_TIMEOUT_S = 15.0  # how long the abandoned calls may take to end (an engine step, a forward) before saving
 
 
 class RunStopped(SystemExit):
@@ -42,8 +62,16 @@ def exit_during_startup() -> None:
 
 
 class StopSignals:
-    def __init__(self) -> None:
+    """``abandonable()``: whether the step under way can still be given up (see the module's docstring);
+    ``on_abandon()``: asks the workers to abandon their calls, before this process abandons its own."""
+
+    def __init__(self, abandonable: Callable[[], bool] = lambda: False,
+                 on_abandon: Callable[[], None] = lambda: None) -> None:
         self.signum: int | None = None
+        self.abandoning = False  # the step under way is being given up
+        self.missed: list[str] = []  # ranks the abandon signal could not reach
+        self.received_at = 0.0  # time.monotonic() of the first signal
+        self._abandonable, self._on_abandon = abandonable, on_abandon
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -56,6 +84,7 @@ class StopSignals:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+        abandon.reset()  # this process may host workers (the local group): a later run starts clean
 
     @property
     def requested(self) -> bool:
@@ -64,11 +93,40 @@ class StopSignals:
     def exit_code(self) -> int:
         return 128 + int(self.signum)
 
+    def since(self) -> str:
+        return f"{time.monotonic() - self.received_at:.1f}s after the signal"
+
     def _handle(self, signum: int, frame: Any) -> None:
         name = signal.Signals(signum).name
         if self.signum is not None:  # the second one: stop now, whatever is running
             print(f"\n{name} again: exiting now without saving", file=sys.stderr, flush=True)
             raise RunStopped(128 + signum)
-        self.signum = signum
-        print(f"\n{name} received: finishing the current step, saving a checkpoint of it, then exiting "
-              f"(send {name} again to exit at once without saving)", file=sys.stderr, flush=True)
+        self.signum, self.received_at = signum, time.monotonic()
+        if not self._abandonable():
+            print(f"\n{name} received: finishing the current step, saving a checkpoint of it, then exiting "
+                  f"(send {name} again to exit at once without saving)", file=sys.stderr, flush=True)
+            return
+        self.abandoning = True
+        print(f"\n{name} received: abandoning the current step's generation, saving a checkpoint of the step "
+              f"before it, then exiting (send {name} again to exit at once without saving)", file=sys.stderr,
+              flush=True)
+        self._on_abandon()
+        abandon.request_abandon()  # raises StepAbandoned when this thread is inside an in-process worker's call
+
+
+def abandon_workers() -> list[str]:
+    """Ask every rank of every live worker group in a process of its own on this machine to abandon its
+    calls (``rlcore.single_controller.abandon``); the lines name the ranks that could not be asked."""
+    return signal_workers(live_groups())
+
+
+def drain_calls(timeout_s: float = DRAIN_TIMEOUT_S) -> list[str]:
+    """Wait (at most ``timeout_s``) until no rank is still running a group call, however the calls end
+    (abandoned ones end with an error), so that the workers are free to save. Returns the calls still
+    running then, as ``group.method``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        running = [f"{call.group}.{call.method}" for _, call in in_flight_calls() if call.pending]
+        if not running or time.monotonic() >= deadline:
+            return running
+        time.sleep(0.05)

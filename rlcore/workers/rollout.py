@@ -142,6 +142,12 @@ class RolloutWorker(Worker):
         out.meta_info["pad_token_id"] = engine.pad_token_id  # for the collect, which aligns the ranks' widths
         return out
 
+    def abandon(self) -> None:
+        """A generation given up by a stopping run (``rlcore.single_controller.abandon``): the engine drops
+        its unfinished requests. Not a group method: the worker's host calls it."""
+        if getattr(self, "engine", None) is not None:
+            self.engine.abandon()
+
     def _tokenizer(self):
         if self._tok is None:
             self._tok = AutoTokenizer.from_pretrained(self.model_config.path)
