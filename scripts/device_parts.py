@@ -351,6 +351,43 @@ def part_recipe(ctx: dict, name: str) -> dict:
     return out
 
 
+def part_check_bf16(ctx: dict) -> dict:
+    """The consistency check where GPU runs train: GRPO with bf16 on both sides (trainer and engine) on
+    ``trainer.device``, 2 steps at lr 1e-6, must warn nothing (its band knows the pair, calibrated from
+    step 1); then the same run with the engine's weight load made a no-op (the sync left out) must name
+    "weights not synced" at step 1. Reads both runs' verdict files (``<run>/check.jsonl``)."""
+    from rlcore.workers.rollout import RolloutWorker
+
+    device = ctx["device"]
+    spec = ctx["recipes"]
+    base = [f"model.path={model_dir(ctx, 'recipe')}", "trainer.backend=local", f"trainer.device={device}",
+            f"trainer.output_dir={Path(ctx['work']) / 'runs'}", "trainer.loggers=[jsonl]", "trainer.total_steps=2",
+            "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.save_freq=0",
+            f"trainer.cpus_per_proc={spec['threads']}", "model.mixed_precision=bfloat16", "rollout.dtype=bfloat16",
+            "actor.lr=1e-6", "actor.entropy_coeff=0.01", *spec["overrides"].get("all", [])]
+
+    def verdicts(name: str) -> list[dict]:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+            cfg = compose("grpo", overrides=[*base, f"trainer.run_name=check_{name}"])
+        run = recipes.grpo.train(cfg)
+        return [json.loads(line) for line in (run.dir / "check.jsonl").read_text().splitlines() if line.strip()]
+
+    clean = verdicts("clean")
+    original = RolloutWorker._load
+    RolloutWorker._load = lambda self, state_dict, start: {}  # the sync left out
+    try:
+        unsynced = verdicts("unsynced")
+    finally:
+        RolloutWorker._load = original
+    warned = [(r["step"], r["cause"]) for r in clean if r["kind"] == "warning"]
+    first = next(((r["step"], r["cause"]) for r in unsynced if r["kind"] == "verdict"), None)
+    out = {"clean_warnings": warned, "clean_numbers": [r["numbers"] for r in clean if r["kind"] == "verdict"],
+           "unsynced_first_verdict": first}
+    out["ok"] = not warned and first == (1, "weights_not_synced")
+    out["summary"] = (f"bf16 clean: {'silent' if not warned else warned}; sync left out: step-1 verdict {first}")
+    return out
+
+
 PARTS = {
     "env": part_env,
     "workers_fp32": lambda ctx: part_workers(ctx, "fp32"),
@@ -358,6 +395,7 @@ PARTS = {
     "compare": part_compare,
     "grpo": lambda ctx: part_recipe(ctx, "grpo"),
     "ppo": lambda ctx: part_recipe(ctx, "ppo"),
+    "check_bf16": part_check_bf16,
     "throughput_0.5b": lambda ctx: part_throughput(ctx, "qwen2.5-0.5b"),  # scripts/device_throughput.py
     "throughput_1.5b": lambda ctx: part_throughput(ctx, "qwen2.5-1.5b"),
 }

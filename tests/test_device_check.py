@@ -22,7 +22,8 @@ from scripts.device_throughput import SHAPES, flops_per_token
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = {"target.env", "target.workers_fp32", "target.workers_bf16", "reference.workers_fp32",
-         "reference.workers_bf16", "recipes.compare", "recipes.grpo", "recipes.ppo", "unit.pytest"}
+         "reference.workers_bf16", "recipes.compare", "recipes.grpo", "recipes.ppo", "recipes.check_bf16",
+         "unit.pytest"}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,8 @@ def test_cpu_dry_run_passes_without_ray_or_vllm(tmp_path, vendor):
     for recipe in ("grpo", "ppo"):
         part = report["parts"][f"recipes.{recipe}"]
         assert part["steps"] == 2 and part["tokens_per_s"]["update_actor"] > 0, part
+    check = report["parts"]["recipes.check_bf16"]  # bf16 on both sides: silent; the sync left out: named at step 1
+    assert check["clean_warnings"] == [] and check["unsynced_first_verdict"] == [1, "weights_not_synced"], check
     assert report["parts"]["unit.pytest"]["counts"]["passed"] > 0
     assert (tmp_path / "device_check_log.txt").stat().st_size > 0
 
