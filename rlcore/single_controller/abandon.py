@@ -115,12 +115,11 @@ def install_worker_handler() -> bool:
     return True
 
 
-def signal_workers(groups: list[Any]) -> list[str]:
+def signal_workers(groups: list[Any], here: str = "127.0.0.1") -> list[str]:
     """Send ``ABANDON_SIGNAL`` to every rank of ``groups`` that lives in a process of its own on this
-    machine and installed the handler; returns a line for each rank that could not be reached."""
-    from rlcore.single_controller.worker import node_ip
-
-    here, me, missed = node_ip(), os.getpid(), []
+    machine (``here``: its address as the ranks report theirs, ``worker.node_ip``) and installed the
+    handler; returns a line for each rank that could not be reached."""
+    me, missed = os.getpid(), []
     for group in groups:
         for info in list(getattr(group, "worker_info", []) or []):
             pid = info.get("pid")

@@ -34,6 +34,7 @@ from typing import Any
 from rlcore.single_controller import abandon
 from rlcore.single_controller.abandon import StepAbandoned, signal_workers
 from rlcore.single_controller.inflight import in_flight_calls, live_groups
+from rlcore.single_controller.worker import node_ip
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The recipes' timed stages (``run.timer``) that only read state: a step whose stages so far were all of
@@ -117,7 +118,7 @@ class StopSignals:
 def abandon_workers() -> list[str]:
     """Ask every rank of every live worker group in a process of its own on this machine to abandon its
     calls (``rlcore.single_controller.abandon``); the lines name the ranks that could not be asked."""
-    return signal_workers(live_groups())
+    return signal_workers(live_groups(), node_ip())
 
 
 def drain_calls(timeout_s: float = DRAIN_TIMEOUT_S) -> list[str]:

@@ -33,11 +33,10 @@ class CheckConfig:
 
     enable: bool = True  # log check/* every step, compare weights every weight_checksum_freq steps
     ratio_band: list[float] = field(default_factory=lambda: [0.9, 1.1])  # a token's exp(trainer - sampler) outside is out of band
-    # share of (current-version) tokens that may leave ratio_band, and their mean |trainer - sampler| log-prob,
-    # before the run warns; null: the band of the run's dtype pair (rlcore.trainer.check_bands: 1% and 1e-4 nats
-    # for fp32 on both sides, wider where either side computes in bf16), calibrated from the first steps
-    max_out_of_band: float | None = None
-    max_abs_diff_mean: float | None = None
+    # null for the next two: the band of the run's dtype pair (rlcore.trainer.check_bands: 1% and 1e-4 nats for
+    # fp32 on both sides, wider where either side computes in bf16), calibrated from the first steps
+    max_out_of_band: float | None = None  # share of current-version tokens that may leave ratio_band before the run warns
+    max_abs_diff_mean: float | None = None  # their mean |trainer - sampler| log-prob allowed (nats) before the run warns
     calibrate: bool = True  # narrow the pair's band to the noise measured while the weights compare equal
     weight_checksum_freq: int = 10  # compare engine and trainer weights every N steps (and at step 1); 0: never
     probe: bool = True  # with each weight comparison, engine and trainer score a fixed sequence (rlcore.trainer.probe_check)
