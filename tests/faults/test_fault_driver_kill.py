@@ -18,7 +18,7 @@ import pytest
 from fault_runs import comparable, config, kill_group, overrides, recipe_process
 
 import recipes.grpo
-from rlcore.trainer.loop import RunFolderError
+from rlcore.trainer.preflight import PreflightError
 from rlcore.trainer.run_checkpoint import STATE_FILE, find_latest_checkpoint
 from rlcore.trainer.tracking import read_jsonl_metrics
 
@@ -139,13 +139,13 @@ def test_second_run_in_a_live_run_folder(runs, fault_model, fault):
     frozen = runs[KILL_AFTER_CHECKPOINT]
     assert frozen.error is None, frozen.error
     start = time.monotonic()
-    with pytest.raises(RunFolderError) as err:
+    with pytest.raises(PreflightError) as err:  # the pre-flight's one error, listing every problem it found
         recipes.grpo.train(config("grpo", fault_model, runs["out"], *RESUMABLE,
                                   f"trainer.run_name={KILL_AFTER_CHECKPOINT}", "trainer.resume=auto"))
     message = str(err.value)
     assert f"run folder {frozen.run_dir.resolve()} is in use by a live run (pid {frozen.proc.pid})" in message, message
     assert logged_steps(frozen.run_dir) == [1, 2, 3]  # the holder's records untouched
-    fault.done(f"RunFolderError in {time.monotonic() - start:.1f}s: {message[:170]}")
+    fault.done(f"PreflightError in {time.monotonic() - start:.1f}s: {message[:170]}")
 
 
 @pytest.mark.timeout(300)
