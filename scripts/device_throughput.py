@@ -15,16 +15,25 @@ forward, one optimizer step per batch (so no old-log-prob pass), every row train
 Reported, as the mean over the steps after the first (warm-up): seconds per step and per stage
 (``gen``, ``reward``, ``ref``, ``adv``, ``update_actor``, ``sync_weights``: the weight sync to the
 engine; the in-process reference forward falls outside them, in ``untimed_s``), generated tokens/s, trained tokens/s (prompt + response tokens of the update), MFU of the
-update and of the step, peak GPU memory. MFU counts model FLOPs (``flops_per_token``): 6 per matmul
-parameter per trained token (2 forward, 4 backward) plus causal attention (6 x 2 x layers x q-width
-x the mean number of keys a token attends), 2 + attention/3 of that for the reference forward and
-each generated token; divided by the GPU's dense bf16 peak from its name (``PEAK_BF16``), and by the
-bf16 matmul rate measured in the part (how fast this card really multiplies).
+update and of the step, peak GPU memory. MFU counts model FLOPs on the tokens actually computed
+(``pass_flops``: a prompt that a pack holds once for its group, ``actor/shared_prompt_frac``, counts
+once): 6 per matmul parameter per computed token (2 forward, 4 backward) plus causal attention (6 x 2
+x layers x q-width x the keys each query attends), a third of that for the reference forward, and
+``flops_per_token`` for each generated token; divided by the GPU's dense bf16 peak from its name
+(``PEAK_BF16``), and by the bf16 matmul rate measured in the part (how fast this card really
+multiplies). ``mfu_update_counting_every_rows_prompt`` is the old count, each row's prompt included.
+
+Also reported: the attention kernels that actually ran (``attention_kernel_calls``: calls per kernel,
+``rlcore.workers.shared_varlen.KERNEL_CALLS``; ``varlen_shared`` is the one varlen call per layer
+over a shared-prompt pack, ``rows_sdpa`` the fallback), what the dispatch picks here and why, and
+``shared_varlen_probe`` (scripts/device_varlen.py): the varlen call against the rows path and an
+fp32 reference on this device, outputs and gradients, at the shape's heads.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -34,7 +43,8 @@ from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 import recipes.grpo
 from rlcore.models.tiny import build_char_tokenizer
 from rlcore.trainer.tracking import read_jsonl_metrics
-from rlcore.workers import packing
+from rlcore.workers import packing, shared_varlen
+from scripts.device_varlen import probe_shared_varlen
 
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 # Qwen2.5's published configs (hidden, MLP width, layers, heads, KV heads; vocabulary 151,936, tied
@@ -88,6 +98,22 @@ def flops_per_token(counts: dict, mean_context: float, training: bool) -> float:
     return 3 * forward if training else forward
 
 
+def pass_flops(counts: dict, rows: int, prompt_len: float, response_len: float, shared_frac: float,
+               training: bool) -> tuple[float, float]:
+    """(tokens computed, model FLOPs) of one pass over ``rows`` rows of mean prompt and response lengths,
+    where ``shared_frac`` of the rows' tokens are prompt tokens a pack holds once and never computes
+    again (``actor/shared_prompt_frac``): matmuls on the computed tokens only; attention at each
+    query's own context: a computed prompt token over the prompt up to itself, a response token over
+    its prompt and its response up to itself (what the varlen call computes; rows of SDPA compute more,
+    which MFU does not count). With ``shared_frac`` 0 this is ``flops_per_token`` at the mean context."""
+    tokens = rows * (prompt_len + response_len)
+    computed = tokens * (1 - shared_frac)
+    prompt_computed = rows * prompt_len - tokens * shared_frac
+    keys = prompt_computed * (prompt_len + 1) / 2 + rows * response_len * (prompt_len + (response_len + 1) / 2)
+    forward = 2 * counts["matmul_parameters"] * computed + 4 * counts["layers"] * counts["q_width"] * keys
+    return computed, 3 * forward if training else forward
+
+
 def matmul_rate(device: str) -> float:
     """Measured bf16 matmul FLOP/s on ``device`` (8192^2 on CUDA; small on CPU, for the dry run only)."""
     n = 8192 if device == "cuda" else 256
@@ -137,9 +163,11 @@ def part_throughput(ctx: dict, shape: str) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    calls_before = Counter(shared_varlen.KERNEL_CALLS)
     start = time.perf_counter()
     out_run = recipes.grpo.train(cfg)
     wall = time.perf_counter() - start
+    kernel_calls = dict(shared_varlen.KERNEL_CALLS - calls_before)
     rows = read_jsonl_metrics(out_run.dir / "metrics.jsonl")
     steady = rows[1:] if len(rows) > 1 else rows
 
@@ -154,8 +182,15 @@ def part_throughput(ctx: dict, shape: str) -> dict:
     generated = rows_per_step * response_len
     trained = rows_per_step * (prompt_len + response_len)
     context = (prompt_len + response_len + 1) / 2  # the mean number of keys a token of a row attends
-    train_flops = trained * flops_per_token(counts, context, training=True)
-    forward_flops = trained * flops_per_token(counts, context, training=False)  # the reference's pass
+    head_dim = SHAPES[actual]["hidden_size"] // SHAPES[actual]["num_attention_heads"]
+    probe = probe_shared_varlen(device, SHAPES[actual]["num_attention_heads"], SHAPES[actual]["num_key_value_heads"],
+                                head_dim, torch.bfloat16 if device == "cuda" else torch.float32)
+    shared_frac = mean("actor/shared_prompt_frac")
+    shared_frac = 0.0 if shared_frac != shared_frac else shared_frac  # nan: no pack shared a prompt
+    # the update and the reference's forward (the same packing) on the tokens actually computed
+    computed, train_flops = pass_flops(counts, rows_per_step, prompt_len, response_len, shared_frac, training=True)
+    _, forward_flops = pass_flops(counts, rows_per_step, prompt_len, response_len, shared_frac, training=False)
+    every_row_flops = trained * flops_per_token(counts, context, training=True)  # each row's prompt counted
     gen_flops = generated * flops_per_token(counts, prompt_len + response_len / 2, training=False)
     gpu, peak = peak_bf16(device)
     measured = matmul_rate(device)
@@ -176,21 +211,29 @@ def part_throughput(ctx: dict, shape: str) -> dict:
         "token_budget": run["token_budget"][shape],
         "generated_tokens_per_s": round(generated / stages["gen"], 1),
         "trained_tokens_per_s": round(trained / stages["update_actor"], 1),
+        "shared_prompt_frac": round(shared_frac, 4),
+        "computed_tokens_per_s": round(computed / stages["update_actor"], 1),
         "weight_sync_s": stages.get("sync_weights"),
-        "packed_attention": ("torch varlen_attn" if device == "cuda" and packing.uses_varlen(torch.zeros(
-            1, device=device, dtype=torch.bfloat16)) else "rows of SDPA"),
+        # what ran: attention calls per kernel during the run (rlcore.workers.shared_varlen.KERNEL_CALLS),
+        # and what the dispatch picks for a bf16 shared-prompt pack here, with its reason
+        "attention_kernel_calls": kernel_calls,
+        "attention_kernel_planned": dict(zip(("kernel", "why"), shared_varlen.planned_kernel(
+            torch.bfloat16, packing.VARLEN_REFUSED))),
         "varlen_refused": list(packing.VARLEN_REFUSED),
+        "shared_varlen_probe": probe,
         "peak_bf16_flops": peak, "measured_bf16_matmul_flops": round(measured),
         "mfu_update": mfu(train_flops, stages["update_actor"], peak),
         "mfu_step": mfu(step_flops, stages["step"], peak),
         "mfu_update_vs_measured_matmul": mfu(train_flops, stages["update_actor"], measured),
+        # the same seconds over FLOPs that count each row's prompt (as if no prompt were shared): not work done
+        "mfu_update_counting_every_rows_prompt": mfu(every_row_flops, stages["update_actor"], peak),
     }
     if device == "cuda":
         out["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-    out["ok"] = len(rows) == run["steps"] and all(v == v for v in stages.values())
+    out["ok"] = len(rows) == run["steps"] and all(v == v for v in stages.values()) and probe["ok"]
     out["summary"] = (f"{out['shape']}: {out['step_s']} s/step, gen {out['generated_tokens_per_s']:.0f} tok/s, "
                       f"train {out['trained_tokens_per_s']:.0f} tok/s, sync {out['weight_sync_s']} s"
                       + (f", MFU update {out['mfu_update']}, peak {out['peak_allocated_gib']} GiB"
-                         if device == "cuda" else ""))
+                         if device == "cuda" else "") + f", attention {kernel_calls}")
     return out

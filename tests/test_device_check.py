@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from scripts import device_guard
-from scripts.device_throughput import SHAPES, flops_per_token
+from scripts.device_throughput import SHAPES, flops_per_token, pass_flops
 
 REPO = Path(__file__).resolve().parent.parent
 PARTS = {"target.env", "target.workers_fp32", "target.workers_bf16", "reference.workers_fp32",
@@ -92,6 +92,16 @@ def test_throughput_flops_per_token_and_the_qwen_shapes_match_their_published_si
         assert sum(p.numel() for p in model.parameters()) == published, shape
 
 
+def test_throughput_counts_a_shared_prompt_once():
+    """MFU's FLOPs on the tokens computed: with nothing shared, the mean-context count; 2 rows of a
+    4-token prompt and 2-token responses sharing the prompt (4 of 12 tokens not computed): 8 tokens,
+    attention keys 1+2+3+4 for the prompt and 5+6 for each response, by hand."""
+    counts = {"matmul_parameters": 10, "layers": 2, "q_width": 4}
+    assert pass_flops(counts, 2, 4.0, 2.0, 0.0, training=True) == (12, 12 * flops_per_token(counts, 3.5, training=True))
+    tokens, flops = pass_flops(counts, 2, 4.0, 2.0, 4 / 12, training=False)
+    assert tokens == pytest.approx(8) and flops == pytest.approx(2 * 10 * 8 + 4 * 2 * 4 * (10 + 2 * 11))
+
+
 @pytest.mark.slow
 def test_cpu_dry_run_of_the_throughput_benchmark(tmp_path, vendor):
     env = {k: v for k, v in os.environ.items() if k not in ("OUT", "PYTHONPATH")}
@@ -106,4 +116,8 @@ def test_cpu_dry_run_of_the_throughput_benchmark(tmp_path, vendor):
         assert {"gen", "update_actor", "sync_weights", "step"} <= set(part["stage_s"])
         assert part["trained_tokens_per_s"] > 0 and part["generated_tokens_per_s"] > 0 and part["weight_sync_s"] > 0
         assert 0 < part["mfu_update_vs_measured_matmul"] < 1
+        # a group's prompt computed once, the kernel that ran counted (CPU: rows), the varlen probe exact
+        assert 0 < part["shared_prompt_frac"] < 1 and part["computed_tokens_per_s"] < part["trained_tokens_per_s"]
+        assert set(part["attention_kernel_calls"]) == {"rows_sdpa"}, part["attention_kernel_calls"]
+        assert part["attention_kernel_planned"]["kernel"] == "rows_sdpa" and part["shared_varlen_probe"]["ok"]
     assert report["procs"]["throughput"]["imports"]["blocked_loaded"] == []

@@ -27,8 +27,11 @@ but attention runs on prompt + n responses instead of n x (prompt + response) to
 arithmetic_words, 47 prompt and 32 response tokens per row: 2.1x fewer). Attention stays exact: each
 row's queries see the prompt's keys and values (gathered from the one copy, ``RowLayout``) and their
 own response's, as before; the gradients of the shared prompt sum every row's, as they would apart.
-On CUDA such a pack runs as rows of SDPA (varlen attention needs contiguous rows). docs/workers.md
-("Packed sequences") has the measurements behind these choices.
+On CUDA in bf16/fp16 such a pack runs as one varlen call with separate query and key boundaries
+(rlcore.workers.shared_varlen: each row's queries are its stored tokens, its keys the prompt gathered
+from the one copy plus its own); elsewhere, or should that call raise, as rows of SDPA.
+``shared_varlen.KERNEL_CALLS`` counts which kernel each attention call ran. docs/workers.md
+("Packed sequences") has the measurements behind these choices; docs/gpu.md what is proven on CUDA.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -43,6 +47,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from rlcore.models.config import ModelConfig
+from rlcore.workers import shared_varlen
 from rlcore.workers.response_head import scored_positions
 
 PACKED_ATTENTION = "rlcore_packed"  # the attn_implementation name the trained roles load with when packing
@@ -69,6 +74,11 @@ class RowLayout:
     take: torch.Tensor
     rows: int
     max_len: int
+
+    @cached_property
+    def varlen(self) -> shared_varlen.VarlenIndex:
+        """The varlen call's query and key boundaries (``shared_varlen.varlen_index``), built once per pack."""
+        return shared_varlen.varlen_index(self.source, self.take, self.rows, self.max_len)
 
 
 @dataclass(frozen=True)
@@ -355,18 +365,35 @@ def _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs,
     dropout = dropout if module.training else 0.0
     if inner is _sdpa and not query.is_cuda and query.dtype in (torch.bfloat16, torch.float16):
         inner = _sdpa_fp32
+    calls = shared_varlen.KERNEL_CALLS
     if cu is None and layout is None:
+        calls[shared_varlen.UNPACKED] += 1
         return inner(query, key, value, scaling, dropout).transpose(1, 2).contiguous(), None
     if cu is not None and uses_varlen(query) and dropout == 0.0:  # contiguous rows only (no shared prompt)
         try:
             out = _varlen(query, key, value, cu, int(kwargs.get("max_length_q") or 0), scaling)
+            calls[shared_varlen.VARLEN] += 1
             return out.transpose(1, 2).contiguous(), None
         except (RuntimeError, TypeError, NotImplementedError) as exc:  # this torch / GPU refuses it: rows from now on
-            VARLEN_REFUSED.append(f"{type(exc).__name__}: {exc}"[:500])
-            warnings.warn(f"torch varlen attention refused ({VARLEN_REFUSED[-1]}); packed attention runs as rows of SDPA")
+            _refused(exc)
+    if cu is None and shared_varlen.choose_kernel(query.device.type, query.dtype, dropout, VARLEN_REFUSED,
+                                                  inner is _eager)[0] == shared_varlen.SHARED_VARLEN:
+        try:  # a shared-prompt pack: one varlen call, query and key boundaries apart
+            out = shared_varlen.shared_varlen_attention(query, key, value, layout.varlen, scaling)
+            calls[shared_varlen.SHARED_VARLEN] += 1
+            return out, None
+        except (RuntimeError, TypeError, NotImplementedError, ValueError) as exc:
+            _refused(exc)
     if layout is None:
         layout = _layout_from_cu(cu, int(kwargs.get("max_length_q") or 0), query.shape[2], query.device)
+    calls[shared_varlen.ROWS_EAGER if inner is _eager else shared_varlen.ROWS_SDPA] += 1
     return _rows(query, key, value, layout, scaling, dropout, inner), None
+
+
+def _refused(exc: Exception) -> None:
+    """This torch / GPU refused varlen attention: record why, and run rows of SDPA from now on."""
+    VARLEN_REFUSED.append(f"{type(exc).__name__}: {exc}"[:500])
+    warnings.warn(f"torch varlen attention refused ({VARLEN_REFUSED[-1]}); packed attention runs as rows of SDPA")
 
 
 def uses_varlen(query: torch.Tensor) -> bool:
