@@ -128,5 +128,8 @@ def test_ppo_an_update_past_an_optimizer_step_finishes_and_saves_its_step(tmp_pa
     out = capsys.readouterr().out
     if saved == 3:
         assert "stopped by SIGTERM after step 3" in out
+        # asked while the critic's update was still abandonable: the driver learns from its reply that it stepped
+        assert ("step 3's update had made an optimizer step: finishing the step and saving it" in out) == (
+            cls is CriticWorker)
     else:
         assert "stopped by SIGTERM during step 3 (abandoned)" in out
