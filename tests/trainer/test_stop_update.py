@@ -5,10 +5,14 @@ metrics of an uninterrupted one. Past the first optimizer step (PPO's several mi
 update of the step (PPO's actor update after the critic's), the step finishes and is saved, as before.
 
 The signal is sent from inside the update itself (its loss at a chosen micro-batch of a chosen step), so
-where it lands never depends on the machine's speed."""
+where it lands never depends on the machine's speed (with Ray: from the rank's process, which then waits
+until the driver's abandon signal has reached it)."""
 
+import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,3 +137,36 @@ def test_ppo_an_update_past_an_optimizer_step_finishes_and_saves_its_step(tmp_pa
             cls is CriticWorker)
     else:
         assert "stopped by SIGTERM during step 3 (abandoned)" in out
+
+
+REPO = CONFIG_DIR.parent.parent
+HOOK_DIR = Path(__file__).with_name("update_stop_hook")  # its sitecustomize.py signals from inside a Ray rank's update
+RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1"]
+
+
+def run_grpo(tmp_path: Path, out: Path, model: str, *args: str, stop_at: str | None = None):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOK_DIR), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("RLCORE_TEST_UPDATE_STOP_AT", None)
+    pid_file = tmp_path / "driver.pid"
+    if stop_at:
+        env["RLCORE_TEST_UPDATE_STOP_AT"] = f"{pid_file},{stop_at}"
+    proc = subprocess.Popen([sys.executable, "-m", "recipes.grpo", *overrides(model, out), *RAY, *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file.write_text(str(proc.pid))
+    out_text, err_text = proc.communicate(timeout=500)  # a bound on a hang only
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out_text, err_text)
+
+
+@pytest.mark.timeout(600)
+def test_ray_a_signal_mid_update_reaches_the_rank_which_gives_the_update_up(tmp_path, tiny_model):
+    """One Ray rank (the in-process test above checks the resumed run's metrics: the same worker code)."""
+    stopped = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3",
+                       stop_at=f"{int(signal.SIGTERM)},3,2")  # step 3's update, at its second micro-batch of 4
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    # the rank was asked (SIGUSR2) while in micro-batch 2 and left at the boundary after it
+    assert json.loads((tmp_path / "driver.pid.json").read_text()) == {"micros": 2, "asked": True}
+    run_dir = tmp_path / "split" / "grpo" / "default"
+    ckpt = run_dir / "checkpoints" / "global_step_2"
+    assert find_latest_checkpoint(ckpt.parent) == (2, ckpt)
+    assert [r["step"] for r in read_jsonl_metrics(run_dir / "metrics.jsonl")] == [1, 2]
+    assert f"stopped by SIGTERM during step 3 (abandoned); checkpoint {ckpt} (step 2)" in stopped.stdout
