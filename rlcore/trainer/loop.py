@@ -331,8 +331,10 @@ class TrainingRun:
             print(f"(while abandoning step {self._step}: {type(error).__name__}: {str(error)[:300]})", flush=True)
         late = drain_calls()
         done = f"abandoned calls ended {self._stop.since()}"
-        if late:
-            print(f"calls still running after the stop, so nothing new is saved: {late}", flush=True)
+        failed_update = self._updating and "AbandonedCallError" not in str(error)  # it may have stepped, then failed
+        if late or failed_update:
+            print(f"{'calls still running' if late else 'the update failed'} after the stop, so nothing new is saved: "
+                  f"{late or type(error).__name__}", flush=True)
         elif step > self.start_step and self._saved_at != step:
             restore_rng_state(self._step_began["rng"])  # in-process workers save this process's RNG too
             with self.timer("save_checkpoint"):
