@@ -96,6 +96,7 @@ from rlcore.trainer.stop_signal import (
     StepAbandoned,
     StopSignals,
     abandon_workers,
+    abandoned_call,
     drain_calls,
 )
 from rlcore.trainer.timing import Timer, throughput_metrics
@@ -327,11 +328,11 @@ class TrainingRun:
         """After a stop signal gave up the step under way: let the workers' abandoned calls end, checkpoint
         the step before it as it was when this one began, and exit with 128 + the signal's number."""
         step, self._abandonable = self._step - 1, False
-        if not isinstance(error, StepAbandoned) and "AbandonedCallError" not in str(error):
+        if not isinstance(error, StepAbandoned) and not abandoned_call(error):
             print(f"(while abandoning step {self._step}: {type(error).__name__}: {str(error)[:300]})", flush=True)
         late = drain_calls()
         done = f"abandoned calls ended {self._stop.since()}"
-        failed_update = self._updating and "AbandonedCallError" not in str(error)  # it may have stepped, then failed
+        failed_update = self._updating and not abandoned_call(error)  # it may have stepped, then failed
         if late or failed_update:
             print(f"{'calls still running' if late else 'the update failed'} after the stop, so nothing new is saved: "
                   f"{late or type(error).__name__}", flush=True)

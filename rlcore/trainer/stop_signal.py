@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlcore.single_controller import abandon
-from rlcore.single_controller.abandon import StepAbandoned, signal_workers
+from rlcore.single_controller.abandon import AbandonedCallError, StepAbandoned, signal_workers
 from rlcore.single_controller.inflight import in_flight_calls, live_groups
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -140,3 +140,14 @@ def drain_calls(timeout_s: float = DRAIN_TIMEOUT_S) -> list[str]:
         if not running or time.monotonic() >= deadline:
             return running
         time.sleep(0.05)
+
+
+def abandoned_call(error: BaseException) -> bool:
+    """Whether ``error`` is a worker's reply that it abandoned its call (the worker group's error wraps it:
+    as its cause in-process, in its text from Ray)."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, AbandonedCallError):
+            return True
+        seen = seen.__cause__
+    return "AbandonedCallError" in str(error)
