@@ -1,5 +1,5 @@
 """Test hook (tests/trainer/test_stop_update.py), active only where RLCORE_TEST_UPDATE_STOP_AT is set: in the
-process whose actor runs the chosen update call, at the chosen micro-batch's loss, send the chosen signal to the
+process of rank 0 (or no rank) whose actor runs the chosen update call, at the chosen micro-batch's loss, send the chosen signal to the
 pid written in the chosen file (the driver), then wait until this process is told to abandon (the driver's
 SIGUSR2 sets its flag), so the update sees the request at the next micro-batch boundary whatever the machine's
 speed. The losses that call ran are written to <pid file>.json. Python imports ``sitecustomize`` at start-up
@@ -53,7 +53,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if SPEC:
+if SPEC and os.environ.get("RANK", "0") == "0":  # rank 0 only: one signal to the driver
     import importlib.util
 
     sys.meta_path.insert(0, _PatchOnImport())
