@@ -21,7 +21,7 @@ def patch(module) -> None:
     real, record = module.ActorWorker._loss, {"micros": 0}
 
     def loss(worker, micro, scale):
-        if worker.update_calls == int(at_update) - 1:
+        if worker.update_calls == int(at_update) - 1 and os.environ.get("RANK", "0") == "0":  # one signal only
             record["micros"] += 1
             if record["micros"] == int(at_micro):
                 with open(pid_file) as f:
@@ -53,7 +53,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if SPEC and os.environ.get("RANK", "0") == "0":  # rank 0 only: one signal to the driver
+if SPEC:
     import importlib.util
 
     sys.meta_path.insert(0, _PatchOnImport())
