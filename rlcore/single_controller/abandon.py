@@ -123,8 +123,9 @@ def run_abandonable(method: str, call: Any, workers: dict[str, Any], permit: boo
     ``permit`` (``WorkerHost.execute``)."""
     global _inside, _update_open
     if method in UPDATE_METHODS and permit:
-        if _requested.is_set():
-            raise AbandonedCallError(f"{method} not started: this worker's run is stopping")
+        # Asked already or not, it starts: its ranks decide together at its first micro-batch boundary (a
+        # rank refusing here while another, asked a moment later, went in would leave that one waiting in
+        # the update's first collective).
         _update_open = True
         try:
             return call()  # raises AbandonedCallError itself at a micro-batch boundary (rlcore.workers.update_stop)
