@@ -333,6 +333,7 @@ class TrainingRun:
         late = drain_calls()
         done = f"abandoned calls ended {self._stop.since()}"
         failed_update = self._updating and not abandoned_call(error)  # it may have stepped, then failed
+        self._updating = False  # given up, not returned: the save's own stage must not read it as finished
         if late or failed_update:
             print(f"{'calls still running' if late else 'the update failed'} after the stop, so nothing new is saved: "
                   f"{late or type(error).__name__}", flush=True)

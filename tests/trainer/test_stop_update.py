@@ -104,6 +104,7 @@ def test_grpo_a_signal_mid_update_drops_the_gradients_saves_the_step_before_and_
     out = capsys.readouterr()
     assert "SIGTERM received: abandoning the current step's update (unless it made an optimizer step)" in out.err
     assert f"stopped by SIGTERM during step 3 (abandoned); checkpoint {ckpt} (step 2)" in out.out
+    assert "had made an optimizer step" not in out.out
 
     monkeypatch.undo()
     resumed = train(recipes.grpo, "grpo", *overrides(tiny_model, tmp_path), "trainer.total_steps=4",

@@ -73,3 +73,4 @@ def test_what_is_saved_after_a_signal_during_the_steps_first_update(tmp_path, ca
     out = capsys.readouterr()
     assert "SIGTERM received: abandoning the current step's update (unless it made an optimizer step)" in out.err
     assert said in out.out
+    assert ("had made an optimizer step" in out.out) == (outcome == "returned")
