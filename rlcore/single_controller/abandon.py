@@ -42,8 +42,6 @@ import signal
 import threading
 from typing import Any
 
-from rlcore.single_controller import worker as worker_host  # imports this module: node_ip is read at call time
-
 ABANDON_SIGNAL = getattr(signal, "SIGUSR2", None)
 
 # Worker methods that only read state (weights, optimizer, RNG streams of the run are left as they were):
@@ -171,7 +169,9 @@ def install_worker_handler() -> bool:
 def signal_workers(groups: list[Any]) -> list[str]:
     """Send ``ABANDON_SIGNAL`` to every rank of ``groups`` that lives in a process of its own on this
     machine and installed the handler; returns a line for each rank that could not be reached."""
-    here, me, missed = worker_host.node_ip(), os.getpid(), []
+    from rlcore.single_controller.worker import node_ip
+
+    here, me, missed = node_ip(), os.getpid(), []
     for group in groups:
         for info in list(getattr(group, "worker_info", []) or []):
             pid = info.get("pid")
