@@ -7,7 +7,9 @@ for step ``--after`` to be logged, then sends the signal at a point of the next 
            step ``--after`` is saved)
   update   ``--delay`` seconds into the next step's update: the run's stall watchdog is given a 1 s
            deadline for update_actor, so its report file (<run>/stalls/step_N_update_actor.txt) says the
-           update is under way: the step finishes and is saved
+           update is under way: before its first optimizer step (GRPO's default: the whole update) the
+           step is abandoned at the next micro-batch and step ``--after`` is saved; after it, the step
+           finishes and is saved
 
 and reports the exit code, the seconds from the signal to the process's exit, the run's own account
 (``abandoned calls ended ... saved ...``) and the load average (shared machines: say it with the numbers).

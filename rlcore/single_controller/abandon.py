@@ -3,8 +3,9 @@
 Why: a scheduler's grace period after SIGTERM is ~30 s, and one generation of a real model can take
 longer than that. The trainer (``rlcore.trainer.stop_signal``) therefore gives up a step that has not
 yet changed any state: its workers stop what they are computing for it, and the step before it is
-saved instead. Only calls that read state are abandoned (``ABANDONABLE_METHODS``); an update, a weight
-sync or a save always finishes.
+saved instead. Calls that read state are abandoned (``ABANDONABLE_METHODS``); so is an update
+(``UPDATE_METHODS``) until its first optimizer step, when the driver permits it for that call (below);
+a weight sync or a save always finishes.
 
 How a worker stops mid-call. Its process marks itself abandoning (``request_abandon``): a flag, and,
 when its main thread is inside a generation right now (``INTERRUPTIBLE_METHODS``), ``StepAbandoned``
@@ -21,6 +22,17 @@ once: the process is about to be saved and shut down.
   signalled from here: their calls finish and the driver then stops at the next phase boundary.
 - Ranks in the driver's process (the local group) are abandoned by the driver's own signal handler
   calling ``request_abandon()``.
+
+Updates. Gradients accumulate over an update's micro-batches and nothing in the weights, the optimizer
+or the LR schedule changes before its first ``optimizer.step``, so until then the update can be given
+up: the worker's loop reads ``update_stop_requested()`` at each micro-batch boundary, drops the
+accumulated gradients and raises ``AbandonedCallError`` (``rlcore.workers.update_stop``); after that
+step it no longer asks, and the update finishes. Only the first update of a step may be given up (a
+later one follows an update that changed state: PPO's actor update after the critic's), and a worker
+cannot tell which one a call is (its abandon flag may have been set during the earlier one). So the
+driver says, per call: ``permit_update(True)`` while the step is still abandonable; the group call
+hands that to every rank as the keyword ``PERMIT_KWARG``, which ``WorkerHost.execute`` takes out
+before calling the method. Without it (an older caller, a raw Ray call) an update always finishes.
 """
 
 from __future__ import annotations
@@ -43,6 +55,9 @@ ABANDONABLE_METHODS = frozenset({
 # midway would leave the others waiting in it, so they finish (seconds) and only a call not yet started
 # is refused.
 INTERRUPTIBLE_METHODS = frozenset({"generate_sequences", "generate_episodes"})
+# Updates: abandoned only between micro-batches, before their first optimizer step, when permitted (above).
+UPDATE_METHODS = frozenset({"update_policy", "update_critic", "update_rm", "train_sft"})
+PERMIT_KWARG = "_rlcore_update_abandonable"
 
 
 class StepAbandoned(BaseException):  # noqa: N818 - raised by a signal handler: passes ``except Exception``
@@ -56,6 +71,8 @@ class AbandonedCallError(RuntimeError):
 _requested = threading.Event()
 _inside = 0  # abandonable calls the main thread is inside now (nested: a colocated role calling another)
 _main = threading.main_thread()
+_permitted = False  # driver side: whether an update called now may be abandoned (``permit_update``)
+_update_open = False  # worker side: this process is inside an update it was permitted to abandon
 
 
 def requested() -> bool:
@@ -72,12 +89,46 @@ def request_abandon() -> None:
 
 def reset() -> None:
     """Forget a request (the driver's process, when its run closes: a later run in it starts clean)."""
+    global _permitted
     _requested.clear()
+    _permitted = False
 
 
-def run_abandonable(method: str, call: Any, workers: dict[str, Any]) -> Any:
-    """``call()``, abandonable when ``method`` is in ``ABANDONABLE_METHODS`` (``WorkerHost.execute``)."""
-    global _inside
+def permit_update(allowed: bool) -> None:
+    """Driver side: whether the updates called from now on may be abandoned (the trainer sets it at each
+    stage of a step: true only for the step's first update, while the step changed nothing yet)."""
+    global _permitted
+    _permitted = bool(allowed)
+
+
+def update_permitted() -> bool:
+    return _permitted
+
+
+def update_open() -> bool:
+    """Worker side: whether this process is inside an update it was permitted to abandon."""
+    return _update_open
+
+
+def update_stop_requested() -> bool:
+    """Worker side, at an update's micro-batch boundary: whether this process is asked to abandon and the
+    update under way was permitted to be (a flag read)."""
+    return _update_open and _requested.is_set()
+
+
+def run_abandonable(method: str, call: Any, workers: dict[str, Any], permit: bool = False) -> Any:
+    """``call()``, abandonable when ``method`` is in ``ABANDONABLE_METHODS``, or in ``UPDATE_METHODS`` with
+    ``permit`` (``WorkerHost.execute``)."""
+    global _inside, _update_open
+    if method in UPDATE_METHODS and permit:
+        # Asked already or not, it starts: its ranks decide together at its first micro-batch boundary (a
+        # rank refusing here while another, asked a moment later, went in would leave that one waiting in
+        # the update's first collective).
+        _update_open = True
+        try:
+            return call()  # raises AbandonedCallError itself at a micro-batch boundary (rlcore.workers.update_stop)
+        finally:
+            _update_open = False
     if method not in ABANDONABLE_METHODS:
         return call()
     if _requested.is_set():

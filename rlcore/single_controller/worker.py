@@ -195,6 +195,7 @@ class WorkerHost:
                 "stack_file": stack_file, "abandon_handler": abandon_handler}
 
     def execute(self, role: str, method: str, /, *args, **kwargs) -> Any:
+        permit = bool(kwargs.pop(abandon.PERMIT_KWARG, False))  # the driver's word: may this update be given up
         args = tuple(a.resolve() if isinstance(a, RemoteChunk) else a for a in args)
         kwargs = {k: v.resolve() if isinstance(v, RemoteChunk) else v for k, v in kwargs.items()}
         start = time.perf_counter()
@@ -202,7 +203,7 @@ class WorkerHost:
         self.running[key] = (role, method, time.monotonic(), threading.get_ident())
         try:
             bound = getattr(self.workers[role], method)
-            return abandon.run_abandonable(method, lambda: bound(*args, **kwargs), self.workers)
+            return abandon.run_abandonable(method, lambda: bound(*args, **kwargs), self.workers, permit)
         finally:
             self.busy_s += time.perf_counter() - start
             self.running.pop(key, None)

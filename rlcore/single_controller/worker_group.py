@@ -11,6 +11,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlcore.single_controller import abandon
 from rlcore.single_controller.decorator import REGISTER_ATTR, CallContext, Deferred, Execute, split_for_ranks
 from rlcore.single_controller.inflight import CallTracker, InFlightCall
 from rlcore.single_controller.worker import RemoteChunk
@@ -170,6 +171,8 @@ class GroupMethod:
             group.last_balance = ctx.scratch["balance"]
         if spec.execute is Execute.RANK_ZERO:
             calls = calls[:1]
+        if spec.name in abandon.UPDATE_METHODS and abandon.update_permitted():  # given up mid-way on a stop signal
+            calls = [(a, {**k, abandon.PERMIT_KWARG: True}) for a, k in calls]
         ranks = list(range(len(calls)))
         tracked = group._tracker.begin(group.name, spec.public_name, ranks)  # what a watchdog asks about
         try:

@@ -40,8 +40,8 @@ and does, around the recipe's own work:
   (``<ckpt>/hf``) and, after the last step, in the run folder (``<run>/hf``), which
   ``AutoModelForCausalLM.from_pretrained`` and vLLM load. Here, once, for every recipe;
 - SIGTERM / SIGINT (``timeout``, schedulers, ctrl-C; ``rlcore.trainer.stop_signal``): a step still
-  generating, scoring or computing log-probs is abandoned and the step before it is checkpointed; a step
-  already updating finishes and is checkpointed (with ``save_freq: 0`` too; its ``hf/`` with ``export_hf``);
+  generating, scoring, computing log-probs, or in its first update before that update's first optimizer
+  step, is abandoned and the step before it is checkpointed; a step past that finishes and is checkpointed (with ``save_freq: 0`` too; its ``hf/`` with ``export_hf``);
   then the process exits with 128 + the signal's number (143, 130); a second signal exits at once;
 - teardown: used as a context manager (``with TrainingRun(...) as run:``) it closes the loggers and
   shuts the workers down however the block ends, after whatever the recipe handed to
@@ -88,12 +88,15 @@ from rlcore.trainer.run_checkpoint import (
 )
 from rlcore.trainer.progress import phase
 from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
+from rlcore.single_controller import abandon
 from rlcore.trainer.stop_signal import (
     ABANDONABLE_STAGES,
+    UPDATE_STAGES,
     RunStopped,
     StepAbandoned,
     StopSignals,
     abandon_workers,
+    abandoned_call,
     drain_calls,
 )
 from rlcore.trainer.timing import Timer, throughput_metrics
@@ -171,8 +174,10 @@ class TrainingRun:
         self._step_began: dict[str, Any] | None = None  # loader, RNG and state as the step under way found them
         self._step = 0
         self._validating = False  # a validation's generation: abandoned too (the step it follows is saved)
+        self._updating = False  # in the step's first update: abandonable until its first optimizer step
         self._stop = StopSignals(lambda: (self._abandonable or self._validating) and self._can_abandon,
-                                 lambda: self._stop.missed.extend(abandon_workers()))
+                                 lambda: self._stop.missed.extend(abandon_workers()),
+                                 lambda: "update (unless it made an optimizer step)" if self._updating else "generation")
         self._stop.install()
         self._teardown.callback(self._stop.restore)
         self._saved_at: int | None = None  # the step of this run's latest checkpoint
@@ -247,13 +252,14 @@ class TrainingRun:
     def end_step(self, step: int, metrics: Mapping[str, float], batch: DataProto | None = None) -> None:
         """Validate and checkpoint when due, then log ``metrics`` plus timings and throughput."""
         t = self.cfg.trainer
+        self._update_returned()
         self._abandonable = False  # the step's work is done: it is saved, not abandoned
         out = dict(metrics)
         if t.val_freq and (step % t.val_freq == 0 or step == t.total_steps):
             try:
                 out.update(self.validate())
             except Exception:
-                if not self._stop.abandoning:
+                if not self._stop.asked:  # the workers, asked to abandon, refuse new generations
                     raise
                 drain_calls()  # a stop signal gave the validation up: the step is saved and logged without it
                 print(f"validation after step {step} abandoned: its val/ metrics are not logged", flush=True)
@@ -293,24 +299,44 @@ class TrainingRun:
 
     def _stage_begins(self, name: str) -> object:
         """A timed stage begins (the phase boundaries where a stop signal can end a step): a step being
-        abandoned stops here; the first stage that changes state (update, sync, ...) ends the part of the
-        step that can be abandoned."""
+        abandoned stops here; the first stage that changes state (an update past its first optimizer step,
+        sync, ...) ends the part of the step that can be abandoned. The step's first update stays abandonable
+        while it runs: its workers decide (``rlcore.workers.update_stop``), told they may (``permit_update``)."""
+        self._update_returned()
         if self._abandonable and self._stop.requested and self._can_abandon:
             raise StepAbandoned()
-        if name not in ABANDONABLE_STAGES:
+        if name in UPDATE_STAGES and self._abandonable:
+            self._updating = True
+        elif name not in ABANDONABLE_STAGES:
             self._abandonable = False
+        abandon.permit_update(self._updating and self._can_abandon)
         return self.watchdog.begin(name)
+
+    def _update_returned(self) -> None:
+        """The step's first update, begun earlier, returned (it was not given up): it made an optimizer
+        step, so the step is no longer abandonable; one a stop signal was giving up is finished and saved."""
+        if not self._updating:
+            return
+        self._updating = self._abandonable = False
+        abandon.permit_update(False)
+        if self._stop.abandoning:
+            self._stop.abandoning = False
+            print(f"step {self._step}'s update had made an optimizer step: finishing the step and saving it "
+                  f"({self._stop.since()})", flush=True)
 
     def _abandon_step(self, error: BaseException) -> None:
         """After a stop signal gave up the step under way: let the workers' abandoned calls end, checkpoint
         the step before it as it was when this one began, and exit with 128 + the signal's number."""
         step, self._abandonable = self._step - 1, False
-        if not isinstance(error, StepAbandoned) and "AbandonedCallError" not in str(error):
+        if not isinstance(error, StepAbandoned) and not abandoned_call(error):
             print(f"(while abandoning step {self._step}: {type(error).__name__}: {str(error)[:300]})", flush=True)
         late = drain_calls()
         done = f"abandoned calls ended {self._stop.since()}"
-        if late:
-            print(f"calls still running after the stop, so nothing new is saved: {late}", flush=True)
+        failed_update = self._updating and not abandoned_call(error)  # it may have stepped, then failed
+        self._updating = False  # given up, not returned: the save's own stage must not read it as finished
+        if late or failed_update:
+            print(f"{'calls still running' if late else 'the update failed'} after the stop, so nothing new is saved: "
+                  f"{late or type(error).__name__}", flush=True)
         elif step > self.start_step and self._saved_at != step:
             restore_rng_state(self._step_began["rng"])  # in-process workers save this process's RNG too
             with self.timer("save_checkpoint"):

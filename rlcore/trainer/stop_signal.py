@@ -12,7 +12,12 @@ on where the step is:
   engine step), the run checkpoints the step before it (its loader position, RNG and controller
   states as they were when this step began) and exits. A resumed run redoes the abandoned step
   exactly: same prompts, same sampling seeds;
-- once an update has begun (update, weight sync, logging: seconds), the step finishes and is saved.
+- during the step's first update (``UPDATE_STAGES``), likewise while that update has not made its
+  first optimizer step: the workers drop the gradients accumulated so far and the step is given up
+  (``rlcore.workers.update_stop``; GRPO's default, one optimizer step per batch, is abandonable over its
+  whole update). An update past that step ignores the request and finishes; so does the step;
+- once the state has changed (an optimizer step, a weight sync, logging: seconds), the step finishes
+  and is saved.
 
 Either way the process exits with ``128 + signum`` (143 for SIGTERM, 130 for SIGINT, as a shell
 reports a process killed by them). A second signal exits at once; the checkpoint being written then
@@ -32,14 +37,18 @@ from collections.abc import Callable
 from typing import Any
 
 from rlcore.single_controller import abandon
-from rlcore.single_controller.abandon import StepAbandoned, signal_workers
+from rlcore.single_controller.abandon import AbandonedCallError, StepAbandoned, signal_workers
 from rlcore.single_controller.inflight import in_flight_calls, live_groups
 from rlcore.single_controller.worker import node_ip
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The recipes' timed stages (``run.timer``) that only read state: a step whose stages so far were all of
-# these can be given up and redone. The first other stage (adv, update_*, sync_weights) ends that part.
-ABANDONABLE_STAGES = frozenset({"gen", "gen_greedy", "reward", "old_log_prob", "ref", "values"})
+# these can be given up and redone. ``adv`` changes only the batch and the driver's registered ``state``
+# (a KL controller), which an abandoned step's checkpoint takes from when the step began. The first other
+# stage (an update past its first optimizer step, sync_weights) ends that part.
+ABANDONABLE_STAGES = frozenset({"gen", "gen_greedy", "reward", "old_log_prob", "ref", "values", "adv"})
+# Stages whose update may still be given up when it is the step's first (until its first optimizer step).
+UPDATE_STAGES = frozenset({"update_actor", "update_critic", "update_rm"})
 DRAIN_TIMEOUT_S = 15.0  # how long the abandoned calls may take to end (an engine step, a forward) before saving
 
 
@@ -67,12 +76,13 @@ class StopSignals:
     ``on_abandon()``: asks the workers to abandon their calls, before this process abandons its own."""
 
     def __init__(self, abandonable: Callable[[], bool] = lambda: False,
-                 on_abandon: Callable[[], None] = lambda: None) -> None:
+                 on_abandon: Callable[[], None] = lambda: None, what: Callable[[], str] = lambda: "generation") -> None:
         self.signum: int | None = None
         self.abandoning = False  # the step under way is being given up
+        self.asked = False  # the workers were asked to abandon (their later abandonable calls are refused)
         self.missed: list[str] = []  # ranks the abandon signal could not reach
         self.received_at = 0.0  # time.monotonic() of the first signal
-        self._abandonable, self._on_abandon = abandonable, on_abandon
+        self._abandonable, self._on_abandon, self._what = abandonable, on_abandon, what
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -107,8 +117,8 @@ class StopSignals:
             print(f"\n{name} received: finishing the current step, saving a checkpoint of it, then exiting "
                   f"(send {name} again to exit at once without saving)", file=sys.stderr, flush=True)
             return
-        self.abandoning = True
-        print(f"\n{name} received: abandoning the current step's generation, saving a checkpoint of the step "
+        self.abandoning = self.asked = True
+        print(f"\n{name} received: abandoning the current step's {self._what()}, saving a checkpoint of the step "
               f"before it, then exiting (send {name} again to exit at once without saving)", file=sys.stderr,
               flush=True)
         self._on_abandon()
@@ -131,3 +141,14 @@ def drain_calls(timeout_s: float = DRAIN_TIMEOUT_S) -> list[str]:
         if not running or time.monotonic() >= deadline:
             return running
         time.sleep(0.05)
+
+
+def abandoned_call(error: BaseException) -> bool:
+    """Whether ``error`` is a worker's reply that it abandoned its call (the worker group's error wraps it:
+    as its cause in-process, in its text from Ray)."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, AbandonedCallError):
+            return True
+        seen = seen.__cause__
+    return "AbandonedCallError" in str(error)

@@ -42,6 +42,7 @@ from rlcore.algos.stats import masked_mean
 from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, register
+from rlcore.single_controller.abandon import AbandonedCallError
 from rlcore.typed_config import read_section
 from rlcore.workers import fsdp_utils
 from rlcore.workers.config import ActorConfig
@@ -185,7 +186,12 @@ class ActorWorker(FSDPTrainWorker):
         self.sampled.start(selected)  # likewise: the trainer's log-probs of the trajectory sample's rows
         dropped = self._mask_mismatched(selected) if cfg.use_rollout_is and cfg.rollout_is_mode == "mask" else {}
         rows_with_grad = self._rows_with_grad() if "advantages" in have else None
-        metrics = {**self.run_updates(selected, self._loss, "actor", rows_with_grad), **dropped}
+        try:
+            metrics = {**self.run_updates(selected, self._loss, "actor", rows_with_grad), **dropped}
+        except AbandonedCallError:  # given up before its first optimizer step: keep none of its statistics
+            self.mismatch.drop()
+            self.sampled.drop()
+            raise
         self.sampled.stop()
         return {**metrics, **self.mismatch.finish(self.device)}
 

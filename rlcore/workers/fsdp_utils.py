@@ -46,6 +46,7 @@ from rlcore.workers.checkpoint import (  # noqa: F401 (load_checkpoint: rlcore.t
     tied_aliases,
 )
 from rlcore.workers.moe import router_mp_policy
+from rlcore.workers.update_stop import UpdateStop
 from rlcore.workers.packing import borrowed_prompt_tokens, group_items, prompt_groups, shares_prompts
 
 
@@ -348,6 +349,8 @@ class FSDPTrainWorker(Worker):
         ``{prefix}/pad_frac_computed``: the share of the positions the forwards computed that were
         padding (cropped micro-batches; 0 packed); ``{prefix}/shared_prompt_frac``: the share of the
         valid tokens that packs holding shared prompts once did not compute (``model.pack_shared_prompts``).
+        A stopping run may give the update up between micro-batches before its first optimizer step
+        (``UpdateStop``: ``AbandonedCallError``, the gradients dropped, nothing else changed).
         """
         if self.optimizer is None:
             raise RuntimeError(f"{type(self).__name__} has no optimizer (role {getattr(self, 'role', '?')!r}, "
@@ -360,6 +363,7 @@ class FSDPTrainWorker(Worker):
         self.module.train()
         metrics: dict[str, list[float]] = defaultdict(list)
         seed = cfg.seed + self.update_calls
+        stop = UpdateStop(self.module, self.device)  # a stopping run gives the update up before its first step
         for mini in data.make_iterator(global_rows // ws, cfg.ppo_epochs, seed=seed, shuffle=cfg.shuffle):
             tokens, seqs = global_counts(mini.batch["response_mask"], self.device)
             # norm_len: the mini-batch's response width, whatever width each cropped micro-batch has
@@ -371,6 +375,7 @@ class FSDPTrainWorker(Worker):
             metrics["pad_frac_batch"].append(1 - valid / max(mini.batch["attention_mask"].numel(), 1))
             computed = valid_computed = borrowed = 0
             for ix, counts in self.trained_micro_batches(mini, rows_with_grad):
+                stop.check()
                 micro = load_micro_batch(mini, ix, self.device)[0]
                 micro.meta_info = {**micro.meta_info, STAND_IN: not counts}  # a stand-in's statistics count nowhere
                 valid_computed += int(micro.batch["attention_mask"].sum())  # packed: every position computed is valid
@@ -391,7 +396,9 @@ class FSDPTrainWorker(Worker):
             metrics["pad_frac_computed"].append(0.0 if self.packs else 1 - valid_computed / max(computed, 1))
             if self.shares_prompts:
                 metrics["shared_prompt_frac"].append(borrowed / max(valid_computed, 1))
+            stop.check()
             grad_norm, lr = clip_and_step(self.module, self.optimizer, self.lr_scheduler, cfg.grad_clip)
+            stop.stepped()
             metrics["loss"].append(all_reduce_mean(total))
             metrics["grad_norm"].append(grad_norm)
             metrics["lr"].append(lr)

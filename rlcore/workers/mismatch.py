@@ -96,6 +96,11 @@ class MismatchCollector:
         if self.collecting and not micro.meta_info.get(STAND_IN, False):
             self.parts.append(self.sums(log_prob.detach(), micro))
 
+    def drop(self) -> None:
+        """Forget an update given up midway (``rlcore.workers.update_stop``): no statistics of it are kept."""
+        self.parts = []
+        self.active = self.collecting = False
+
     def sums(self, trainer_log_probs: torch.Tensor, data: DataProto) -> dict[str, torch.Tensor]:
         b = data.batch
         lags = None

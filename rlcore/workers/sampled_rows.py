@@ -80,6 +80,10 @@ class SampledRows:
     def stop(self) -> None:
         self.active = False
 
+    def drop(self) -> None:
+        """Forget an update given up midway: the next ``take`` hands over nothing of it."""
+        self.rows, self.active = [], False
+
     def take(self) -> list[dict[str, Any]]:
         rows, self.rows = [r for r in self.rows if r["log_probs"] is not None], []
         self.active = False

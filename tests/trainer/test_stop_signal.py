@@ -102,8 +102,9 @@ def test_sigterm_stops_a_real_grpo_run_with_a_usable_checkpoint(tmp_path):
     assert last >= 2
     assert "SIGTERM received: " in err
     ckpt = tmp_path / "grpo" / "default" / "checkpoints" / f"global_step_{last}"
-    # In the step's generation it is abandoned and the step before saved (tests/trainer/test_stop_abandon.py);
-    # from its update on, it finishes and is saved: either way the checkpoint is the last logged step.
+    # In the step's generation, or its update before its optimizer step, it is abandoned and the step before
+    # saved (tests/trainer/test_stop_abandon.py, test_stop_update.py);
+    # past that, it finishes and is saved: either way the checkpoint is the last logged step.
     assert f"checkpoint {ckpt} (step {last})" in out
     assert find_latest_checkpoint(ckpt.parent) == (last, ckpt)
     assert (ckpt / "hf" / "model.safetensors").is_file()  # export_hf: the model of that step, loadable
