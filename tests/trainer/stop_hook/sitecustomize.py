@@ -4,7 +4,6 @@ written in the chosen file (the driver), then block until this process is told t
 raises out of the sleep below). What happened is written to <pid file>.json. Python imports
 ``sitecustomize`` at start-up from the path: this folder is put first on PYTHONPATH of the run under test."""
 
-import importlib.abc
 import json
 import os
 import sys
@@ -53,23 +52,8 @@ def patch(module) -> None:
     engine_cls.generate, engine_cls.abandon = generate, abandon
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "rlcore.engines.vllm_engine":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if SPEC:
-    import importlib.util
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/trainer: patch_on_import
+    from patch_on_import import install
 
-    sys.meta_path.insert(0, _PatchOnImport())
+    install("rlcore.engines.vllm_engine", patch)

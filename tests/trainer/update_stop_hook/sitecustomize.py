@@ -5,7 +5,6 @@ SIGUSR2 sets its flag), so the update sees the request at the next micro-batch b
 speed. The losses that call ran are written to <pid file>.json. Python imports ``sitecustomize`` at start-up
 from the path: this folder is put first on PYTHONPATH of the run under test (Ray's workers inherit it)."""
 
-import importlib.abc
 import json
 import os
 import sys
@@ -37,23 +36,8 @@ def patch(module) -> None:
     module.ActorWorker._loss = loss
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "rlcore.workers.actor":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
 if SPEC:
-    import importlib.util
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/trainer: patch_on_import
+    from patch_on_import import install
 
-    sys.meta_path.insert(0, _PatchOnImport())
+    install("rlcore.workers.actor", patch)
