@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from rlcore.trainer.jsonl_rows import read_jsonl_metrics, truncate_jsonl_after  # noqa: F401 (re-exported)
 from rlcore.trainer.tracking_backends import INSTALL_HINT  # noqa: F401 (re-exported: the extra's install line)
 from rlcore.trainer.tracking_backends.mlflow_backend import MlflowBackend, mlflow_key  # noqa: F401 (re-exported)
 from rlcore.trainer.tracking_backends.tensorboard_backend import TensorBoardBackend
@@ -201,36 +201,6 @@ class Tracker:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.close(failed=exc_type is not None)
-
-
-def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a metrics JSONL file, in file order."""
-    rows = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
-    return rows
-
-
-def truncate_jsonl_after(path: str | Path, step: int) -> int:
-    """Drop rows with "step" > `step` (rewritten atomically); returns how many were dropped.
-
-    A missing file is fine (nothing was logged yet) and drops nothing.
-    """
-    path = Path(path)
-    if not path.exists():
-        return 0
-    rows = read_jsonl_metrics(path)
-    kept = [r for r in rows if r["step"] <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(tmp, path)
-    return len(rows) - len(kept)
 
 
 def plot_metric(jsonl_path: str | Path, key: str, out_png: str | Path,

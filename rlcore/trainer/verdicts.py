@@ -34,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rlcore.trainer.jsonl_rows import truncate_jsonl_after
+
 CHECK_FILE = "check.jsonl"
 KINDS = ("verdict", "warning", "info")
 OK = "ok"
@@ -44,30 +46,6 @@ def _number(value: Any) -> float | None:
     """A metric as JSON can hold it: non-finite floats (which JSON has not) as null."""
     value = float(value)
     return value if math.isfinite(value) else None
-
-
-def drop_rows_after(path: Path, step: int) -> int:
-    """Rewrite ``path`` (atomically) without the rows of steps after ``step``; how many were dropped.
-    A last line that does not parse (a write cut short) is dropped too; any other is an error."""
-    if not path.is_file():
-        return 0
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}:{number}: not valid JSON ({exc})") from None
-        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-            kept.append(line)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-    os.replace(tmp, path)
-    return len(lines) - len(kept)
 
 
 def check_numbers(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -91,7 +69,8 @@ class VerdictLog:
     def __init__(self, folder: Path, start_step: int = 0) -> None:
         self.path = Path(folder) / CHECK_FILE
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        drop_rows_after(self.path, start_step if start_step > 0 else -1)
+        # a resumed run redoes the steps after its checkpoint; a killed run may have cut its last row short
+        truncate_jsonl_after(self.path, start_step if start_step > 0 else -1, partial_last_line=True)
         self._causes: dict[int, tuple[str, str]] = {}  # step -> its last warning's (cause, message), until its verdict
         self._numbers: tuple[int, dict] = (-1, {})  # the step being judged and its check/* numbers
 

@@ -24,7 +24,8 @@ import recipes.grpo
 from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.consistency import ConsistencyCheck, ConsistencyError, WeightReport
 from rlcore.trainer.tracking import read_jsonl_metrics
-from rlcore.trainer.verdicts import CHECK_FILE, VerdictLog, drop_rows_after
+from rlcore.trainer.tracking import truncate_jsonl_after
+from rlcore.trainer.verdicts import CHECK_FILE, VerdictLog
 from rlcore.workers.mismatch import CheckConfig
 
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
@@ -57,7 +58,7 @@ def test_rows_are_whole_lines_and_resume_drops_later_steps(tmp_path):
     # a run killed mid-write: the last line cut short is dropped with the steps after the checkpoint
     with open(tmp_path / CHECK_FILE, "a") as f:
         f.write('{"step": 3, "kind": "verd')
-    assert drop_rows_after(tmp_path / CHECK_FILE, 1) == 3
+    assert truncate_jsonl_after(tmp_path / CHECK_FILE, 1, partial_last_line=True) == 3
     assert [r["step"] for r in rows(tmp_path)] == [1, 1]
     VerdictLog(tmp_path, start_step=0)  # a fresh run starts the file anew
     assert (tmp_path / CHECK_FILE).read_text() == ""

@@ -1,0 +1,50 @@
+"""Rows of a run's JSONL files (metrics.jsonl, check.jsonl): read them, and cut them back to a step when
+a run resumes. Standard library only, so that the inspector (which reads a run folder) and the check's
+verdict file can use it without the trainer's torch."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+
+def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a metrics JSONL file, in file order."""
+    rows = []
+    with Path(path).open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
+    return rows
+
+
+def truncate_jsonl_after(path: str | Path, step: int, partial_last_line: bool = False) -> int:
+    """Drop rows with "step" > `step` (rewritten atomically); returns how many were dropped.
+
+    A missing file is fine (nothing was logged yet) and drops nothing. With ``partial_last_line``
+    a last line that does not parse (a write cut short by a kill, in a file written line by line
+    while the run goes: the check's verdicts) is dropped too; any other bad line is an error.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if line.strip()]
+    rows = []
+    for position, (line_no, line) in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if partial_last_line and position == len(lines):
+                break
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
+    kept = [r for r in rows if r["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
