@@ -9,10 +9,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from hooked_runs import run_hooked
 from hydra import compose, initialize_config_dir
 
 import recipes.grpo
@@ -25,7 +25,6 @@ from rlcore.trainer.tracking import read_jsonl_metrics
 pytestmark = pytest.mark.slow
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 LENGTH_REWARD = Path(__file__).resolve().parents[1] / "recipes" / "length_reward.py"  # random-model samples score apart
-REPO = CONFIG_DIR.parent.parent
 TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 
 
@@ -130,16 +129,7 @@ HOOK_DIR = Path(__file__).with_name("stop_hook")  # its sitecustomize.py signals
 
 def run_grpo(tmp_path: Path, out: Path, model: str, *args: str,
              stop_at: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOK_DIR), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("RLCORE_TEST_STOP_AT", None)
-    pid_file = tmp_path / "driver.pid"
-    if stop_at:
-        env["RLCORE_TEST_STOP_AT"] = f"{pid_file},{stop_at}"
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.grpo", *overrides(model, out), *VLLM_RAY, *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pid_file.write_text(str(proc.pid))
-    out_text, err_text = proc.communicate(timeout=500)  # a bound on a hang only
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out_text, err_text)
+    return run_hooked("grpo", HOOK_DIR, "RLCORE_TEST_STOP_AT", tmp_path, [*overrides(model, out), *VLLM_RAY, *args], stop_at)
 
 
 @pytest.mark.vllm

@@ -12,10 +12,10 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from hooked_runs import run_hooked
 from hydra import compose, initialize_config_dir
 
 import recipes.grpo
@@ -140,22 +140,13 @@ def test_ppo_an_update_past_an_optimizer_step_finishes_and_saves_its_step(tmp_pa
         assert "stopped by SIGTERM during step 3 (abandoned)" in out
 
 
-REPO = CONFIG_DIR.parent.parent
 HOOK_DIR = Path(__file__).with_name("update_stop_hook")  # its sitecustomize.py signals from inside a Ray rank's update
 RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1"]
 
 
-def run_grpo(tmp_path: Path, out: Path, model: str, *args: str, stop_at: str | None = None):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HOOK_DIR), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    env.pop("RLCORE_TEST_UPDATE_STOP_AT", None)
-    pid_file = tmp_path / "driver.pid"
-    if stop_at:
-        env["RLCORE_TEST_UPDATE_STOP_AT"] = f"{pid_file},{stop_at}"
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.grpo", *overrides(model, out), *RAY, *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pid_file.write_text(str(proc.pid))
-    out_text, err_text = proc.communicate(timeout=500)  # a bound on a hang only
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out_text, err_text)
+def run_grpo(tmp_path: Path, out: Path, model: str, *args: str,
+             stop_at: str | None = None) -> subprocess.CompletedProcess:
+    return run_hooked("grpo", HOOK_DIR, "RLCORE_TEST_UPDATE_STOP_AT", tmp_path, [*overrides(model, out), *RAY, *args], stop_at)
 
 
 @pytest.mark.timeout(600)
