@@ -144,16 +144,6 @@ def test_vllm_without_native_bf16_keeps_fp32_and_says_why(tmp_path, monkeypatch,
 
 # ---- a real tiny model: clean pairs silent, faults named at step 1 at lr 1e-5 -------------------------------
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("bands"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 class Run:
     """Actor and HF engine in this process, the check built as a recipe builds it: the dtypes the config
     says (``config``) and, unless ``engine`` says otherwise, the engine really in them."""

@@ -37,16 +37,6 @@ from rlcore.workers.rollout import RolloutWorker  # noqa: E402
 MAX_NEW = 10
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("consistency"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 class Hybrid:
     """Actor + rollout in this process, and a ConsistencyCheck watching them (defaults unless given)."""
 

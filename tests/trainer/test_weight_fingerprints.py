@@ -205,16 +205,6 @@ def test_versions_kept_are_the_start_and_the_latest_checks():
 
 
 # ------------------------------------------------------------------ planted faults on the real tiny model
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_tiny_model(tmp_path_factory.mktemp("fingerprints"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
 class Run:
     """An actor and a rollout engine in this process, and a check watching them from before step 1
     (``start(0)``, as ``TrainingRun.steps`` does)."""
