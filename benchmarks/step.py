@@ -50,7 +50,7 @@ import time
 from collections import defaultdict
 
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 import recipes.grpo
@@ -130,10 +130,10 @@ def stage_dtypes(run_config) -> dict[str, str]:
             "old_log_prob": train, "update_actor": train}
 
 
-def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float], dict[str, int]]:
+def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float], dict[str, int], DictConfig]:
     """``steps`` GRPO steps: the logged metric rows after warm-up, the median seconds per step
     of each wrapped part (plus ``wall``, from one step's end to the next) and the peak RSS of the
-    driver and each rank's process."""
+    driver and each rank's process, and the run's resolved config."""
     out = tempfile.mkdtemp(prefix="rlcore_step_")
     overrides = [f"trainer.total_steps={steps}", "trainer.val_freq=0", "trainer.save_freq=0",
                  f"trainer.output_dir={out}", "trainer.loggers=[jsonl]", "trainer.run_name=bench",
@@ -170,14 +170,13 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float],
     rows = [r for r in read_jsonl_metrics(training.dir / "metrics.jsonl") if r["step"] >= 2]
     if not rows:
         raise SystemExit("need --steps >= 2 (the first step is warm-up)")
-    run.config = OmegaConf.load(training.dir / "config.yaml")
     busy = [s.pop("worker compute") for s in watch.per_step]
     for s, before, after in zip(watch.per_step[1:], busy, busy[1:]):
         s["worker compute"] = after - before
     parts = {key: statistics.median(s.get(key, 0.0) for s in watch.per_step[1:])
              for key in {k for s in watch.per_step[1:] for k in s}}
     parts["wall"] = statistics.median(b - a for a, b in zip(watch.step_ends, watch.step_ends[1:]))
-    return rows, parts, peaks
+    return rows, parts, peaks, OmegaConf.load(training.dir / "config.yaml")  # as the run resolved it
 
 
 def median(rows: list[dict], key: str) -> float:
@@ -196,10 +195,10 @@ def main() -> None:
     steps, overrides = (3, QUICK + args.overrides) if args.quick else (args.steps, args.overrides)
     if args.model:
         overrides = ["+preset=smollm2", f"model.path={args.model}", *overrides]
-    rows, parts, peaks = run(overrides, steps)
-    dtypes = stage_dtypes(run.config)
+    rows, parts, peaks, run_config = run(overrides, steps)
+    dtypes = stage_dtypes(run_config)
     peak = {d: matmul_peak(d, *((256, 0.2) if args.quick else (2048, 1.5))) for d in sorted(set(dtypes.values()))}
-    flops = stage_flops(rows, run.config)
+    flops = stage_flops(rows, run_config)
 
     step_s, wall = median(rows, "timing_s/step"), parts["wall"]
     print(f"\nGRPO step, defaults + {overrides or 'no overrides'}: median over steps 2..{steps}")
