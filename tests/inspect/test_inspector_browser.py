@@ -224,7 +224,8 @@ def test_check_warnings_mark_the_curves_and_are_listed_counts_apart(browser, tmp
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"step": s, "check/tokens": 1500.0 + s, "check/logprob_abs_diff_mean": 0.3 if s == 2 else 1e-7,
-             "check/logprob_diff_mean": -1e-8, "reward/score/mean": s / 10} for s in (1, 2, 3)]
+             "check/logprob_diff_mean": -1e-8, "check/weights_covered": 1.0, "reward/score/mean": s / 10}
+            for s in (1, 2, 3)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     log = VerdictLog(run)
     for r in rows:
@@ -244,8 +245,11 @@ def test_check_warnings_mark_the_curves_and_are_listed_counts_apart(browser, tmp
     assert diffs.locator("svg").get_attribute("data-scale") == "log"
     assert "check/tokens" not in diffs.locator(".legend").inner_text()
     assert counts.locator(".legend").inner_text().strip() == "check/tokens"
+    covered = tab.locator('.chart[data-chart="Consistency check: share of the weights verified"]')
+    assert covered.locator(".legend").inner_text().strip() == "check/weights_covered"  # a share: neither chart above
+    assert "check/weights_covered" not in diffs.locator(".legend").inner_text()
     # every chart with points at step 2 marks it; none marks another step
-    assert tab.locator('.warn-marker[data-step="2"]').count() == 3 == tab.locator(".warn-marker").count()
+    assert tab.locator('.warn-marker[data-step="2"]').count() == 4 == tab.locator(".warn-marker").count()
     assert diffs.locator("circle.warned").count() == 2  # both difference series' points at step 2
     # the mismatch stands out: step 2's point well above steps 1 and 3 (most of the plot's height), and
     # the signed mean (negative) on the same axis, below them

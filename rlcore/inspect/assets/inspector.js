@@ -8,14 +8,17 @@
   // The consistency check's counts (tokens judged, tensors compared): on a chart of their own, never on
   // the axis of the differences (1e-7 .. 0.3 beside ~1500 tokens would be flat at zero).
   const COUNT = (k) => /^check\/(tokens|weights_checked|weights_mismatch|weights_unreadable|nan_rewards)(\/|$)/.test(k);
+  // The share of the weights a check verified (0..1): neither a difference nor a count.
+  const COVERED = (k) => /^check\/weights_(covered|read_back)$/.test(k);
   // Each chart: a title, which metrics it draws (whatever of them the run logged), and its y scale.
   const CHARTS = [
     ["Reward", (k) => ["reward/score/mean", "critic/score/mean", "val/reward_mean", "episode/reward_mean"].includes(k)],  // critic/: runs before 2026-12-05
     ["Response length", (k) => ["response_length/mean", "response_length/max"].includes(k)],
     ["KL", (k) => /^actor\/.*kl/.test(k) && !/coeff/.test(k)],
     ["Trainer vs sampler: differences (check/*, IS weights, sample; log scale)",
-      (k) => /^(check\/|actor\/is\/|sample\/logprob)/.test(k) && !COUNT(k), "log"],
+      (k) => /^(check\/|actor\/is\/|sample\/logprob)/.test(k) && !COUNT(k) && !COVERED(k), "log"],
     ["Consistency check: counts", COUNT],
+    ["Consistency check: share of the weights verified", COVERED],
     ["Staleness", (k) => /staleness|version_lag|stale_token|dropped_stale/.test(k)],
   ];
   // The consistency check's rows (check.jsonl): its warnings mark the curves at their steps.
