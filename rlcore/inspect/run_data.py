@@ -8,13 +8,13 @@ metrics may hold, become null; the page shows them as gaps).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any
 
 from omegaconf import OmegaConf
 
+from rlcore.trainer.jsonl_rows import read_jsonl_metrics
 from rlcore.trainer.trajectory_files import ENV_VERSION, TRAJECTORY_DIR, file_step
 from rlcore.trainer.verdicts import CHECK_FILE
 
@@ -40,23 +40,12 @@ def finite(value: Any) -> Any:
 
 
 def read_records(path: Path) -> list[dict]:
-    """The JSON objects of a JSONL file; a last line that does not parse is one being written and
-    is left out, any other bad line is an error naming the file and line."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    out = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(lines):
-                break
-            raise RunFolderError(f"{path}:{number}: not valid JSON ({exc})") from None
-        if not isinstance(record, dict):
-            raise RunFolderError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-        out.append(finite(record))
-    return out
+    """The JSON objects of a JSONL file, non-finite floats as None; a last line that does not parse
+    is one being written and is left out, any other bad line is an error naming the file and line."""
+    try:
+        return [finite(record) for record in read_jsonl_metrics(path, partial_last_line=True)]
+    except ValueError as exc:
+        raise RunFolderError(str(exc)) from None
 
 
 def config_summary(folder: Path) -> dict[str, Any]:

@@ -10,17 +10,29 @@ from pathlib import Path
 from typing import Any
 
 
-def read_jsonl_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a metrics JSONL file, in file order."""
+def _parse(path: Path, partial_last_line: bool) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a JSONL file and how many non-blank lines it has. With ``partial_last_line``
+    a last line that does not parse (being written by a live run, or cut short by a kill) is left
+    out; any other bad line, or one that is not an object, is an error naming the file and line."""
+    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if line.strip()]
     rows = []
-    with Path(path).open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
-    return rows
+    for position, (line_no, line) in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if partial_last_line and position == len(lines):
+                break
+            raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{line_no}: expected a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows, len(lines)
+
+
+def read_jsonl_metrics(path: str | Path, partial_last_line: bool = False) -> list[dict[str, Any]]:
+    """All rows of a metrics JSONL file, in file order (a half-written last line left out with
+    ``partial_last_line``: a run that is still going)."""
+    return _parse(Path(path), partial_last_line)[0]
 
 
 def truncate_jsonl_after(path: str | Path, step: int, partial_last_line: bool = False) -> int:
@@ -33,18 +45,10 @@ def truncate_jsonl_after(path: str | Path, step: int, partial_last_line: bool = 
     path = Path(path)
     if not path.exists():
         return 0
-    lines = [(n, line) for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1) if line.strip()]
-    rows = []
-    for position, (line_no, line) in enumerate(lines, start=1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            if partial_last_line and position == len(lines):
-                break
-            raise ValueError(f"{path}:{line_no}: not valid JSON ({e})") from e
+    rows, line_count = _parse(path, partial_last_line)
     kept = [r for r in rows if r["step"] <= step]
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w", encoding="utf-8") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(tmp, path)
-    return len(lines) - len(kept)
+    return line_count - len(kept)
