@@ -1,6 +1,6 @@
 """A recipe's default run over several seeds: where it ends, where its best was, and how long it took.
 
-    python -m benchmarks.seeds                                   # recipes.ppo, seeds 1-4, two runs at a time
+    python -m benchmarks.seeds                                   # recipes.ppo, seeds 1-4, one run per 2 cores
     python -m benchmarks.seeds --recipe grpo --seeds 1 2 3 4 5 6 --parallel 3 --out /tmp/seeds
     python -m benchmarks.seeds -- actor.lr_scheduler=cosine ...  # overrides after --, for every run
 
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--recipe", default="ppo")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3, 4])
-    p.add_argument("--parallel", type=int, default=2, help="runs at once (each takes trainer.cpus_per_proc cores)")
+    p.add_argument("--parallel", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="runs at once (each takes trainer.cpus_per_proc=2 cores); default: cores / 2")
     p.add_argument("--out", type=Path, default=Path("outputs/seeds"))
     p.add_argument("--timeout-s", type=float, default=3600, help="per run")
     p.add_argument("--json", type=Path, help="also write the rows here")
