@@ -112,7 +112,7 @@ from rlcore.workers.mismatch import read_check_config
 CONSOLE_KEYS = (
     "reward/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
     "actor/kl_loss", "actor/reward_kl_penalty", "critic/vf_loss", "sft/nll", "rm/loss", "rm/accuracy",
-    "val/pair_accuracy", "check/logprob_abs_diff_mean", "timing_s/step",
+    "val/pair_accuracy", "val/best", "check/logprob_abs_diff_mean", "timing_s/step",
 )
 
 
