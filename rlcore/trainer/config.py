@@ -106,6 +106,7 @@ class TrainerConfig:
     save_freq: int = 0  # checkpoint every N steps; 0: never
     max_ckpt_to_keep: int | None = None  # prune older checkpoints; None: keep all
     export_hf: bool = True  # a HF model (config, tokenizer, safetensors) in each checkpoint (<ckpt>/hf) and at the end (<run>/hf)
+    keep_best: bool = True  # with export_hf: the policy of each new best validation score exported to <run>/hf_best
     resume: str = "disable"  # "disable", "auto" (the latest complete checkpoint) or a step folder
     overwrite: bool = False  # start afresh in a run folder that holds another run, deleting its records
     output_dir: str = "outputs"  # runs go to <output_dir>/<project>/<run_name>

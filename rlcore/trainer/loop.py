@@ -7,6 +7,8 @@ It owns the run folder ``<trainer.output_dir>/<trainer.project>/<trainer.run_nam
     checkpoints/       global_step_N/{actor,critic}/ (worker state) + hf/ (the policy as a HF model)
                        + trainer_state.pt (driver state)
     hf/                the policy after the last step as a HF model (config, tokenizer, safetensors)
+    hf_best/           the policy at the best validation score so far, with best.json (``trainer.keep_best``;
+                       rlcore.trainer.best_val); val/best, val/best_step in metrics.jsonl
     trajectories/      step_N.jsonl: a few prompt groups of each step's batch, token by token
                        (``trainer.trajectory_groups``; rlcore.trainer.trajectories), for ``python -m rlcore.inspect``
     wandb/ mlruns/ trackio/   W&B (offline), MLflow and trackio records, when trainer.loggers names them; with
@@ -68,6 +70,7 @@ from omegaconf import DictConfig, OmegaConf
 from rlcore.data.dataset import PromptLoader
 from rlcore.engines.seeding import derive_seed, set_deterministic
 from rlcore.protocol import DataProto
+from rlcore.trainer.best_val import BestValidation
 from rlcore.trainer.builder import Workers, prompts_to_proto
 from rlcore.trainer.completion_table import CompletionTable
 from rlcore.trainer.check_bands import expected_dtypes
@@ -100,7 +103,7 @@ from rlcore.trainer.stop_signal import (
     drain_calls,
 )
 from rlcore.trainer.timing import Timer, throughput_metrics
-from rlcore.trainer.tracking import Tracker, truncate_jsonl_after
+from rlcore.trainer.tracking import Tracker, read_jsonl_metrics, truncate_jsonl_after
 from rlcore.trainer.trajectories import TRAINER_LOG_PROB_KEYS, TRAJECTORY_DIR, TrajectoryWriter
 from rlcore.trainer.verdicts import VerdictLog, judged
 from rlcore.trainer.watchdog import Watchdog
@@ -109,7 +112,7 @@ from rlcore.workers.mismatch import read_check_config
 CONSOLE_KEYS = (
     "reward/score/mean", "val/reward_mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
     "actor/kl_loss", "actor/reward_kl_penalty", "critic/vf_loss", "sft/nll", "rm/loss", "rm/accuracy",
-    "val/pair_accuracy", "check/logprob_abs_diff_mean", "timing_s/step",
+    "val/pair_accuracy", "val/best", "check/logprob_abs_diff_mean", "timing_s/step",
 )
 
 
@@ -192,6 +195,9 @@ class TrainingRun:
         self.check.calibrate()  # the engine holds the trainer's weights now: the probe measures the run's noise
         # Rows logged after the checkpoint (all of them when starting from step 0) are logged again.
         truncate_jsonl_after(self.dir / "metrics.jsonl", self.start_step if self.start_step else -1)
+        keep = t.keep_best and t.export_hf  # <run>/hf_best: rlcore.trainer.best_val
+        self.best = BestValidation(self.dir, self._export_best if keep else None)
+        self.best.resume(read_jsonl_metrics(self.dir / "metrics.jsonl") if self.start_step else [])
         self.tracker = Tracker(list(t.loggers), project=t.project, experiment=t.run_name, log_dir=self.dir,
                                config=self.cfg, total_steps=t.total_steps, console_keys=CONSOLE_KEYS)  # + a progress bar
         self._teardown.callback(lambda: self.tracker.close(failed=self._failed))
@@ -211,7 +217,8 @@ class TrainingRun:
         t = self.cfg.trainer
         if self.start_step == 0 and t.val_before_train and t.val_freq:
             phase("validating the starting model (step 0; the first generate also warms the engine up)")
-            self.tracker.log(self.validate(), step=0)
+            val = self.validate()
+            self.tracker.log({**val, **self.best.observe(0, val)}, step=0)
         self.check.start(self.start_step)  # the weights engines start from: what a missed sync leaves them holding
         phase(f"training: steps {self.start_step + 1} to {t.total_steps}")
         for step in range(self.start_step + 1, t.total_steps + 1):
@@ -227,6 +234,8 @@ class TrainingRun:
             yield step
             self.watchdog.end(watched)
         self.export_final()
+        if said := self.best.summary():
+            print(said, flush=True)
 
     def next_prompts(self) -> DataProto:
         """The next training batch of prompts (the loader repeats the data for as long as needed), with
@@ -257,7 +266,8 @@ class TrainingRun:
         out = dict(metrics)
         if t.val_freq and (step % t.val_freq == 0 or step == t.total_steps):
             try:
-                out.update(self.validate())
+                val = self.validate()
+                out.update({**val, **self.best.observe(step, val)})
             except Exception:
                 if not self._stop.asked:  # the workers, asked to abandon, refuse new generations
                     raise
@@ -443,6 +453,10 @@ class TrainingRun:
         except (OSError, ValueError) as exc:  # no tokenizer there (another node's disk): the run's config.yaml says
             print(f"warning: no {prompt_format.RECORD} in {out}: {exc}", flush=True)
         return True
+
+    def _export_best(self, out: Path) -> bool:
+        with self.timer("keep_best"):
+            return self.export_hf(out, what="best export")
 
     def export_final(self) -> None:
         """``<run>/hf`` after the last step (``trainer.export_hf``): a copy of the last checkpoint's export

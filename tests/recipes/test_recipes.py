@@ -197,6 +197,29 @@ def test_killed_run_resumes_to_the_same_metrics(tmp_path, tiny_model, monkeypatc
     assert any(r["actor/pg_loss"] != 0 for r in expected[1:])  # the policy really trained
 
 
+def test_ppo_keeps_and_says_its_best_validation(tmp_path, tiny_model, capfd):
+    """val/best and val/best_step on every validated row; <run>/hf_best holds the best step's policy: a run
+    started from it validates (step 0, greedy, the same prompts) to the recorded best."""
+    reward = Path(__file__).with_name("length_reward.py")  # greedy answers that change score apart
+    overrides = [f"model.path={tiny_model}", "trainer.backend=local", "trainer.total_steps=4", "actor.lr=5e-2",
+                 "rollout.do_sample=true", "actor.ppo_mini_batch_size=2", "critic.ppo_mini_batch_size=2",
+                 f"reward.reward_fn={reward}:reward_by_characters", *COMMON_RL]
+    run = recipes.ppo.train(config("ppo", tmp_path, *overrides))
+    rows = read_jsonl_metrics(run.dir / "metrics.jsonl")
+    scores = [r["val/reward_mean"] for r in rows]
+    best = max(scores)
+    best_step = scores.index(best)  # a row per step from 0: the first step of the best score
+    assert [(r["val/best"], r["val/best_step"]) for r in rows] == [
+        (max(scores[:i + 1]), scores.index(max(scores[:i + 1]))) for i in range(len(rows))]
+    assert best_step != 4 and len(set(scores)) > 1  # these settings: the policy drifts off its start (best: step 0)
+    assert json.loads((run.dir / "hf_best" / "best.json").read_text()) == {"step": best_step, "val/reward_mean": best}
+    said = f"last validation (step 4), best {best:.4g} at step {best_step}; its weights: {run.dir / 'hf_best'}"
+    assert said in capfd.readouterr().out
+    again = recipes.ppo.train(config("ppo", tmp_path, *overrides, f"model.path={run.dir / 'hf_best'}",
+                                     "trainer.run_name=from_best", "trainer.total_steps=1"))
+    assert read_jsonl_metrics(again.dir / "metrics.jsonl")[0]["val/reward_mean"] == best
+
+
 VLLM_ROLLOUT = ["rollout.backend=vllm", "rollout.dtype=float32", "rollout.kv_cache_memory_bytes=268435456",
                 "rollout.max_model_len=128"]
 
