@@ -10,6 +10,7 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.models.tiny import build_tiny_model
+from preloaded_python import PreloadedPython
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -27,6 +28,15 @@ def ray_cluster():
         os.environ["PYTHONPATH"] = ray_worker_pythonpath()
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
+
+
+@pytest.fixture(scope="session")
+def preloaded_python(tmp_path_factory):
+    """Runs ``python -m MODULE ARGS`` in children of one interpreter that imported torch, Ray & co. once
+    (tests/preloaded_python.py): for tests of what a command does, not of how Python starts."""
+    runner = PreloadedPython(tmp_path_factory.mktemp("preloaded_python"))
+    yield runner
+    runner.close()
 
 
 @pytest.fixture(scope="module")

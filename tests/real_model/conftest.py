@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from rlcore.models import gguf
 from rlcore.models.gguf import resolve_model_path, smollm2_gguf_path
 
 
@@ -21,7 +22,25 @@ def smollm2_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_dir(smollm2_cache) -> str:
+def gguf_loads() -> list:
+    """What transformers' own GGUF loader returned during the session's conversion, (model, tokenizer):
+    test_gguf.py compares the converted directory with it instead of reading the GGUF file a second
+    time (a dozen seconds of dequantizing and tokenizer building). Emptied by the test that uses it."""
+    return []
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_cache, gguf_loads) -> str:
     """model.path=smollm2, resolved as a recipe resolves it: the converted HF directory."""
     smollm2_gguf_path()  # fails naming the missing wheel before anything slow
-    return resolve_model_path("smollm2")
+    load_gguf = gguf.load_gguf
+
+    def keep_what_it_loads(*args, **kwargs):
+        gguf_loads.append(load_gguf(*args, **kwargs))
+        return gguf_loads[-1]
+
+    gguf.load_gguf = keep_what_it_loads  # convert_gguf calls it by this module global
+    try:
+        return resolve_model_path("smollm2")
+    finally:
+        gguf.load_gguf = load_gguf

@@ -10,8 +10,6 @@ uninterrupted run, step for step.
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -254,16 +252,11 @@ def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
     assert len({r["reward/score/mean"] for r in expected[1:]}) > 1  # sampled: the scores vary from step to step
 
 
-def run_recipe(name: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """The recipe's command line in a fresh interpreter (``timeout``: a hang guard only)."""
-    return subprocess.run([sys.executable, "-m", f"recipes.{name}", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def test_unknown_key_on_the_command_line_is_an_error_naming_it(tmp_path):
-    """Once through the real command line (a fresh process costs ~6 s of CPU: once is enough to show the command
-    fails naming the key); the other kinds through the same composition and check in this process."""
-    proc = run_recipe("ppo", "+foo.bar=1", f"trainer.output_dir={tmp_path}")
+def test_unknown_key_on_the_command_line_is_an_error_naming_it(tmp_path, preloaded_python):
+    """Once through the command line (``python -m recipes.ppo ARGS`` in a process of its own, forked from an
+    interpreter that imported torch & co. once: a fresh one costs ~6 s of CPU) to show the command fails naming
+    the key; the other kinds through the same composition and check in this process."""
+    proc = preloaded_python.run("recipes.ppo", "+foo.bar=1", f"trainer.output_dir={tmp_path}", cwd=REPO, timeout=600)
     assert proc.returncode != 0
     assert "['foo']" in proc.stderr + proc.stdout, proc.stderr[-2000:]
     for override in ("foo.bar=1", "actor.lrr=1"):  # not in the schema: Hydra refuses to compose it

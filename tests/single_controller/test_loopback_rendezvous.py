@@ -2,8 +2,6 @@
 file and gloo binds loopback, where torch's TCP rendezvous would listen on every interface."""
 
 import os
-import subprocess
-import sys
 
 import psutil
 import torch
@@ -86,10 +84,11 @@ print(LocalWorkerGroup(ClassWithInitArgs(ListenProbe)).join())
 """
 
 
-def test_an_in_process_group_listens_on_loopback_only():
-    """In a fresh interpreter: this one's process group may be in use (in-process vLLM engines)."""
+def test_an_in_process_group_listens_on_loopback_only(preloaded_python):
+    """In a process of its own (this one's process group may be in use: in-process vLLM engines), forked from an
+    interpreter that imported torch once and made no process group."""
     script = IN_PROCESS.format(here=os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    out = preloaded_python.run(None, code=script, cwd=os.getcwd(), timeout=180)
     assert out.returncode == 0, out.stderr[-2000:]
     [result] = eval(out.stdout.strip().splitlines()[-1])
     assert result["sum"] == 1.0 and result["file"]
@@ -122,11 +121,11 @@ ray.shutdown()
 """
 
 
-def test_a_local_ray_instance_listens_on_loopback_only():
+def test_a_local_ray_instance_listens_on_loopback_only(preloaded_python):
     """The Ray a recipe starts for itself (no trainer.ray_address): GCS, raylet, workers, agents and
     Ray's unauthenticated metrics endpoints all on loopback (by default they take every interface)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    out = subprocess.run([sys.executable, "-c", LOCAL_RAY], capture_output=True, text=True, timeout=180, env=env)
+    out = preloaded_python.run(None, code=LOCAL_RAY, cwd=os.getcwd(), timeout=180, env=env)  # a driver of its own
     assert out.returncode == 0, out.stderr[-2000:]
     listeners = eval(out.stdout.strip().splitlines()[-1])  # [(process name, address)]
     names = {name for name, _ in listeners}

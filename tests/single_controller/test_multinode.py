@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,11 +10,10 @@ HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.slow
-def test_group_spans_two_nodes():
+def test_group_spans_two_nodes(preloaded_python):
+    """``python multinode_check.py``, forked from an interpreter that imported torch and Ray once."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(HERE.parent.parent)]))
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "multinode_check.py")], capture_output=True, text=True, timeout=300, env=env
-    )
+    proc = preloaded_python.run(None, script=HERE / "multinode_check.py", cwd=HERE, timeout=300, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"multinode check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     result = json.loads(lines[-1].removeprefix("RESULT "))

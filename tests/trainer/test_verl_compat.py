@@ -1,7 +1,5 @@
 """verl's command-line keys: rewritten to rlcore's with a note, or refused naming what to set."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -53,13 +51,13 @@ def test_critic_keys_map_in_a_recipe_with_a_critic():
     assert translate_overrides(["critic.optim.lr=1e-5"], recipes.ppo.SECTIONS)[0] == ["critic.lr=1e-5"]
 
 
-def run_recipe(*args):
-    return subprocess.run([sys.executable, "-m", "recipes.grpo", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+def test_the_recipe_command_takes_verl_keys(preloaded_python):
+    """Through the command line (``python -m recipes.grpo ARGS``, its argv, exit status and output; ``--cfg job``
+    prints the composed config and runs nothing), each in a process of its own forked from an interpreter that
+    imported torch & co. once (tests/preloaded_python.py)."""
+    def run_recipe(*args):
+        return preloaded_python.run("recipes.grpo", *args, cwd=REPO, timeout=120)
 
-
-def test_the_recipe_command_takes_verl_keys():
-    """Through the real command line (``--cfg job`` prints the composed config and runs nothing)."""
     proc = run_recipe("actor_rollout_ref.actor.optim.lr=3e-6", "trainer.total_training_steps=7", "--cfg", "job")
     assert proc.returncode == 0, proc.stderr
     assert "note: verl key actor_rollout_ref.actor.optim.lr -> rlcore key actor.lr" in proc.stderr
