@@ -90,10 +90,10 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def process_label(pid: int, root: int) -> str:
+def process_label(pid: int, root: int) -> str | None:
     """A short name: ``driver`` for the run's own process, Ray's process titles as they are
-    (``ray::ActorRolloutRefWorker...``: a rank), a Python script by its file name (Ray's agents), a
-    binary by its name (``raylet``, ``gcs_server``)."""
+    (``ray::WorkerHost``: a rank), a Python script by its file name (Ray's agents), a binary by its
+    name (``raylet``, ``gcs_server``); None while unreadable (a process exiting has no command line)."""
     if pid == root:
         return "driver"
     try:
@@ -102,7 +102,7 @@ def process_label(pid: int, root: int) -> str:
     except OSError:
         argv = []
     if not argv:
-        return f"pid{pid}"
+        return None
     if argv[0].startswith("ray::"):  # a Ray worker's title: ray::<class>.<method> or ray::IDLE
         return argv[0].split(" ")[0].split(".")[0]
     name = os.path.basename(argv[0])
@@ -183,7 +183,10 @@ class MemoryWatch:
         for pid in process_tree(self.root):
             got, high = pss(pid), rss_high_water(pid)
             if got is not None:
-                reading[pid], labels[pid] = got, process_label(pid, self.root)
+                reading[pid] = got
+                label = process_label(pid, self.root)
+                if label:  # the latest readable one: a Ray worker is renamed once it hosts an actor
+                    labels[pid] = label
             if high is not None:
                 hwm[pid] = high
         with self._lock:
