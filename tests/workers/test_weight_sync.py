@@ -97,7 +97,7 @@ def test_hybrid_engine_syncs_in_memory(model_dir, tok):
     _check_sync(before, stale, after, wg.actor_get_full_state_dict(), model_dir, tok)
     # what the sync handed the engine: the actor's own tensors (no second copy), equal to the snapshot
     actor_worker = wg.worker(0, "actor")
-    handed, snapshot = actor_worker.weights_for_colocated_engine(), wg.actor_get_full_state_dict()
+    handed, snapshot = actor_worker.full_weights_uncopied(), wg.actor_get_full_state_dict()
     assert handed.keys() == snapshot.keys() and all(torch.equal(handed[k], snapshot[k]) for k in handed)
     params = {(p.to_local() if hasattr(p, "to_local") else p).data_ptr() for p in actor_worker.module.parameters()}
     assert {t.data_ptr() for t in handed.values()} <= params
