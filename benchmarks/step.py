@@ -16,7 +16,11 @@ in the same run for the dtype that stage computes in (``benchmarks/machine_limit
 generate (each group's prompt once, every response token), update (forward and backward over the
 rows trained) and the reference / old log-prob forwards, the yardstick of what is left to gain.
 Every run reports the peak resident memory (``VmHWM``) of the driver and of each rank's process, read
-at every step's end: what decides whether a setting fits a 24 GB machine.
+at every step's end, and the run's own memory record (``<run>/memory.json``,
+``rlcore.trainer.process_memory``): the peak of the PSS summed over every process of the run (driver,
+Ray's daemons, the ranks, an engine's own process), sampled every ``trainer.memory_watch_s``, and
+each process's own peak: what decides whether a setting fits a machine (``benchmarks/memory.py``
+samples any command finer).
 
 Runs ``recipes.grpo`` with its defaults (the warm-started tiny model on the arithmetic task, hybrid
 engine on Ray; the warm start is built once and cached) for a few steps without validation or
@@ -130,10 +134,10 @@ def stage_dtypes(run_config) -> dict[str, str]:
             "old_log_prob": train, "update_actor": train}
 
 
-def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float], dict[str, int], DictConfig]:
+def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float], dict[str, int], DictConfig, dict]:
     """``steps`` GRPO steps: the logged metric rows after warm-up, the median seconds per step
     of each wrapped part (plus ``wall``, from one step's end to the next) and the peak RSS of the
-    driver and each rank's process, and the run's resolved config."""
+    driver and each rank's process, the run's resolved config and its ``memory.json`` record ({} without one)."""
     out = tempfile.mkdtemp(prefix="rlcore_step_")
     overrides = [f"trainer.total_steps={steps}", "trainer.val_freq=0", "trainer.save_freq=0",
                  f"trainer.output_dir={out}", "trainer.loggers=[jsonl]", "trainer.run_name=bench",
@@ -176,7 +180,9 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float],
     parts = {key: statistics.median(s.get(key, 0.0) for s in watch.per_step[1:])
              for key in {k for s in watch.per_step[1:] for k in s}}
     parts["wall"] = statistics.median(b - a for a, b in zip(watch.step_ends, watch.step_ends[1:]))
-    return rows, parts, peaks, OmegaConf.load(training.dir / "config.yaml")  # as the run resolved it
+    record = training.dir / "memory.json"
+    memory = json.loads(record.read_text()) if record.exists() else {}
+    return rows, parts, peaks, OmegaConf.load(training.dir / "config.yaml"), memory  # the config as the run resolved it
 
 
 def median(rows: list[dict], key: str) -> float:
@@ -195,7 +201,7 @@ def main() -> None:
     steps, overrides = (3, QUICK + args.overrides) if args.quick else (args.steps, args.overrides)
     if args.model:
         overrides = ["+preset=smollm2", f"model.path={args.model}", *overrides]
-    rows, parts, peaks, run_config = run(overrides, steps)
+    rows, parts, peaks, run_config, memory = run(overrides, steps)
     dtypes = stage_dtypes(run_config)
     peak = {d: matmul_peak(d, *((256, 0.2) if args.quick else (2048, 1.5))) for d in sorted(set(dtypes.values()))}
     flops = stage_flops(rows, run_config)
@@ -234,6 +240,10 @@ def main() -> None:
     print(f"  {'total fixed':<62}{total:>7.3f} s{total / wall:>6.0%}")
     print(f"rollout tokens/s (generated): {median(rows, 'rollout/tokens_per_s'):.0f}")
     print("peak resident memory: " + ", ".join(f"{who} {n / 2**30:.2f} GiB" for who, n in peaks.items()))
+    if memory:
+        print(f"peak PSS summed over the run's processes: {memory['peak_pss_total_bytes'] / 2**30:.2f} GiB (sampled "
+              f"every {memory['interval_s']:g} s); each one's own peak: " + ", ".join(
+                  f"{who} {n / 2**30:.2f}" for who, n in memory["peak_pss_bytes"].items() if n >= 2**26) + " GiB")
     padding = {"batch": median(rows, "actor/pad_frac_batch"), "computed": median(rows, "actor/pad_frac_computed"),
                "shared_prompt": median(rows, "actor/shared_prompt_frac")}
     shared = padding["shared_prompt"]
@@ -248,7 +258,7 @@ def main() -> None:
             json.dump({"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
                        "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained, "padding_share": padding,
                        "worker_compute_s": compute, "parts_s": parts, "peak_rss_bytes": peaks,
-                       "matmul_peak_flops": peak}, f, indent=2)
+                       "matmul_peak_flops": peak, "memory": memory}, f, indent=2)
 
 
 if __name__ == "__main__":

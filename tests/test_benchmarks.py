@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("benchmarks.lora_memory", {"full_adam_bytes", "lora_adam_bytes", "full_over_lora_adam"}),
     ("benchmarks.rollout", {"hf_tokens_per_s", "vllm-fp32_tokens_per_s", "hf_sync_over_copy", "vllm-fp32_sync_over_copy"}),
     ("benchmarks.step", {"stages", "fixed_s", "fixed_total_s", "wall_s", "worker_compute_s", "peak_rss_bytes",
-                         "padding_share"}),
+                         "padding_share", "memory"}),
     ("benchmarks.packing", {"padding_share", "seconds", "valid_tokens"}),
     ("benchmarks.grpo_vs_trl", {"cpu", "step_s", "trl_over_rlcore", "results"}),
     ("benchmarks.watchdog", {"phase_watched_us", "call_recorded_us", "step_on_s", "step_off_s", "predicted_share"}),

@@ -38,10 +38,12 @@ from typing import Any
 from collections.abc import AsyncIterator, Hashable, Sequence
 
 import torch
+from transformers import AutoConfig
 
 from rlcore.engines.async_base import AsyncEngine, Completion, TokenChunk
 from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.engines.dtype_choice import default_vllm_dtype
+from rlcore.engines.kv_cache_size import vllm_overrides
 from rlcore.engines.probe import vllm_probe_params, vllm_probe_reply
 from rlcore.engines.vllm_logs import quiet_vllm_logs
 from rlcore.engines.weights import WeightBucket
@@ -57,8 +59,9 @@ class AsyncVLLMEngine(AsyncEngine):
         from vllm import AsyncEngineArgs  # optional dependency: imported when a vLLM engine is built
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        extra = rollout_cfg.vllm_overrides()
         self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
+        extra = vllm_overrides(rollout_cfg, AutoConfig.from_pretrained(model_cfg.require_path()),
+                               torch_dtype(self.dtype, "rollout.dtype"))
         args = AsyncEngineArgs(
             model=model_cfg.require_path(), dtype=torch_dtype(self.dtype, "rollout.dtype"),
             enforce_eager=rollout_cfg.enforce_eager, max_model_len=rollout_cfg.max_model_len,

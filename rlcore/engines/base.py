@@ -46,6 +46,9 @@ class RolloutConfig:
     dtype: str | None = None  # engine weights; null: model.dtype for hf; for vllm bfloat16 where native, else float32 (dtype_choice)
     gpu_memory_utilization: float = 0.1  # vllm: fraction of device memory (on CPU: of RAM) for the KV cache
     kv_cache_memory_bytes: int | None = None  # vllm: KV cache size in bytes; overrides gpu_memory_utilization
+    # vllm: KV cache size in tokens (bytes from the model's shape and the engine's dtype: kv_cache_bytes);
+    # overrides both above. Size it to the batch the engine serves: a row takes whole blocks (128 tokens on CPU)
+    kv_cache_tokens: int | None = None
     max_model_len: int | None = None  # vllm: longest prompt + response; null: the model's max positions
     enforce_eager: bool = True  # vllm: no CUDA graphs / compilation (fast start; what works on CPU)
     seed: int = 0  # seed of the engine's own stream (rank r: seed + r), for calls that bring no seed of their own
@@ -71,6 +74,9 @@ class RolloutConfig:
         if self.cpu_weight_layout not in CPU_WEIGHT_LAYOUTS:
             raise ValueError(f"rollout.cpu_weight_layout must be one of {CPU_WEIGHT_LAYOUTS}, "
                              f"got {self.cpu_weight_layout!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ValueError(f"rollout.kv_cache_tokens must be >= 1 (or null: kv_cache_memory_bytes / "
+                             f"gpu_memory_utilization decide), got {self.kv_cache_tokens}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs must be >= 1 (or null: the engine's default), got {self.max_num_seqs}")
         if self.prefix_cache_bytes < 0:

@@ -42,6 +42,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlcore.engines import routing
 from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSettings, check_weight_names
 from rlcore.engines.dtype_choice import default_vllm_dtype
+from rlcore.engines.kv_cache_size import vllm_overrides
 from rlcore.engines.probe import vllm_probe_params, vllm_probe_reply
 from rlcore.engines.seeding import CallSeeds, derive_seed
 from rlcore.engines.vllm_checksums import engine_checksums
@@ -72,8 +73,8 @@ class VLLMEngine(Engine):
             # models (~50+ tokens x 128 rows) pass the 4096-token step budget, so: whole prompts only.
             longest = rollout_cfg.max_model_len or hf_config.max_position_embeddings
             engine_kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(WHOLE_PROMPT_BUDGET, longest))
-        engine_kwargs.update(rollout_cfg.vllm_overrides())
         self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
+        engine_kwargs.update(vllm_overrides(rollout_cfg, hf_config, torch_dtype(self.dtype, "rollout.dtype")))
         self.cpu_weight_layout = rollout_cfg.cpu_weight_layout
         self.rows_decoded = 0  # the largest batch generated so far: where "auto" measures the matmuls
         self.weight_layouts: dict[str, int] | None = None  # after an in-place update: layers packed / plain

@@ -119,6 +119,7 @@ class TrainerConfig:
     deterministic: bool = False  # torch's deterministic algorithms in driver and workers (+ cuBLAS / vLLM settings on GPU)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # stalled phases named, their stacks written
     check: CheckConfig = field(default_factory=CheckConfig)  # the consistency check (rlcore.trainer.consistency)
+    memory_watch_s: float = 5.0  # seconds between readings of the run's processes' PSS (rlcore.trainer.process_memory); 0: off
 
     def __post_init__(self) -> None:
         for key, allowed in (("backend", ("ray", "local")), ("device", ("cpu", "cuda", "auto"))):
@@ -135,6 +136,8 @@ class TrainerConfig:
         if self.overwrite and self.resume != "disable":
             raise ValueError(f"trainer.overwrite=true replaces the run in the folder, trainer.resume={self.resume!r} "
                              "continues it: set one of them")
+        if self.memory_watch_s < 0:
+            raise ValueError(f"trainer.memory_watch_s must be >= 0 seconds (0: off), got {self.memory_watch_s}")
         for key in ("cpus_per_proc", "ray_connect_timeout_s"):
             if getattr(self, key) <= 0:
                 raise ValueError(f"trainer.{key} must be > 0, got {getattr(self, key)}")

@@ -89,6 +89,7 @@ from rlcore.trainer.run_checkpoint import (
     restore_rng_state,
     save_run_state,
 )
+from rlcore.trainer.process_memory import finish_run_watch, start_run_watch
 from rlcore.trainer.progress import phase
 from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
 from rlcore.single_controller import abandon
@@ -164,6 +165,8 @@ class TrainingRun:
         self._teardown.callback(lock.close)  # released last
         self._teardown.callback(workers.shutdown)
         self._teardown.callback(self.watchdog.close)
+        self.memory = start_run_watch(t.memory_watch_s)  # the run's processes' PSS (the builder started it)
+        self._teardown.callback(self._report_memory)
         try:
             self._start(t)
         except BaseException:
@@ -286,6 +289,7 @@ class TrainingRun:
             if judged(self.check.cfg.enable, out):  # every judged step leaves a verdict row: ok or its cause
                 self.verdicts.verdict(step, out)
         out.update(self.balance_metrics())
+        out.update(self.memory.metrics() if self.memory else {})
         out.update(self.timer.metrics())
         out["timing_s/step"] = time.perf_counter() - self._step_start
         if batch is not None:
@@ -402,6 +406,12 @@ class TrainingRun:
                 self._abandon_step(exc)
         finally:
             self.close()
+
+    def _report_memory(self) -> None:
+        """The end-of-run line of the run's peak memory; ``<run>/memory.json`` per process."""
+        line = finish_run_watch(self.dir)
+        if line:
+            print(line, flush=True)
 
     def on_close(self, callback: Callable[[], Any]) -> None:
         """Call ``callback`` when the run closes, before the loggers and workers (latest first)."""

@@ -288,7 +288,7 @@ class ActorWorker(FSDPTrainWorker):
     def export_hf(self, path: str) -> None:
         """A HF directory (weights, config, tokenizer) that from_pretrained and vLLM load (a LoRA
         actor's with its adapters merged in)."""
-        fsdp_utils.export_hf(self.module, self.model_cfg.path, path, self.get_full_state_dict())
+        fsdp_utils.export_hf(self.module, self.model_cfg.path, path, self.full_weights_uncopied())
 
     @register(Dispatch.COLLECTIVE_RANK_ZERO)
     def weight_checksums(self, dtypes: dict[str, str] | None = None) -> dict[str, Any]:

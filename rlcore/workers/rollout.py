@@ -164,7 +164,7 @@ class RolloutWorker(Worker):
                 "rollout.update_weights(actor.get_full_state_dict.options(blocking=False)())"
             )
         start = time.perf_counter()
-        state_dict = actor.get_full_state_dict()  # collective over the actor's ranks; full on rank 0 only
+        state_dict = actor.full_weights_uncopied()  # collective over the actor's ranks; full on rank 0 only
         if self.world_size > 1:
             state_dict = broadcast_state_dict(state_dict, src=0)
         return self._load(state_dict, start)

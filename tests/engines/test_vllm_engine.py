@@ -17,6 +17,7 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 MAX_NEW = 16
+KV_TOKENS = 5000  # rollout.kv_cache_tokens: 39 whole blocks of 128 tokens (vLLM's block on CPU)
 LOGPROB_TOL = 1e-5
 LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 
@@ -25,7 +26,7 @@ LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_
 def vllm_engine(model_dir):
     from rlcore.engines.vllm_engine import VLLMEngine
 
-    cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_memory_bytes=1 << 28,
+    cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_tokens=KV_TOKENS,
                         max_model_len=128)
     engine = build_engine(ModelConfig(path=model_dir), cfg)
     assert isinstance(engine, VLLMEngine)
@@ -135,3 +136,16 @@ def test_ids_and_partial_weight_updates_are_refused(vllm_engine, hf_engine, ref_
         vllm_engine.load_weights({k: v for k, v in state.items() if "lm_head" not in k})
     with pytest.raises(KeyError, match="1 unexpected"):
         vllm_engine.load_weights({**state, "extra.weight": torch.zeros(1)})
+
+
+def test_kv_cache_tokens_sizes_the_cache_in_tokens(vllm_engine, model_dir):
+    """The engine's cache holds rollout.kv_cache_tokens, rounded down to whole blocks: the bytes per token
+    rlcore computes from the model's shape are the ones vLLM allocates."""
+    from transformers import AutoConfig
+
+    from rlcore.engines.kv_cache_size import kv_cache_bytes
+
+    cache = vllm_engine.llm.llm_engine.vllm_config.cache_config
+    assert cache.num_gpu_blocks == KV_TOKENS // cache.block_size
+    per_token = kv_cache_bytes(AutoConfig.from_pretrained(model_dir), torch.float32)
+    assert cache.kv_cache_memory_bytes == KV_TOKENS * per_token

@@ -99,12 +99,18 @@ def test_sft_trains_on_the_column_data_response_key_names(tmp_path, tiny_model):
                                  + str(write_jsonl(tmp_path / "bare.jsonl", [{"prompt": "1+1=", "answer": "2", "data_source": "arithmetic"}]))))
 
 
-def test_grpo_builds_its_warm_start_then_trains_on_ray(tmp_path, ray_cluster):
+def test_grpo_builds_its_warm_start_then_trains_on_ray(tmp_path, ray_cluster, capsys):
     warm = [f"warmstart.dir={tmp_path}/warm", "warmstart.steps=2"]
     cfg = config("grpo", tmp_path, "trainer.backend=ray", "trainer.cpus_per_proc=1", *COMMON_RL, *warm)
     run = recipes.grpo.train(cfg)
-    rows = check_metrics(run, 2, RL_KEYS | {"actor/kl_loss"})
+    rows = check_metrics(run, 2, RL_KEYS | {"actor/kl_loss", "memory/pss_peak_gib"})
     assert not any("timing_s/old_log_prob" in r for r in rows)  # one optimizer step per batch: not needed
+    # the run's memory: every process of it (here the driver, Ray's daemons and the rank) once, at its end
+    memory = json.loads((run.dir / "memory.json").read_text())
+    names = {who.split("[")[0] for who in memory["peak_pss_bytes"]}
+    assert {"driver", "raylet", "ray::WorkerHost"} <= names, names
+    assert rows[-1]["memory/pss_peak_gib"] * 2**30 <= memory["peak_pss_total_bytes"]
+    assert "memory: peak " in capsys.readouterr().out
     [marker] = (tmp_path / "warm").glob("*/warmstart.json")
     info = json.loads(marker.read_text())
     assert Path(info["model_dir"], "config.json").exists() and 0.0 <= info["val_reward"] <= 1.0

@@ -95,6 +95,13 @@ def test_hybrid_engine_syncs_in_memory(model_dir, tok):
     assert metrics["rollout/weight_sync_s"] > 0
     after = _validate(wg.rollout_generate_sequences, tok)
     _check_sync(before, stale, after, wg.actor_get_full_state_dict(), model_dir, tok)
+    # what the sync handed the engine: the actor's own tensors (no second copy), equal to the snapshot
+    actor_worker = wg.worker(0, "actor")
+    handed, snapshot = actor_worker.full_weights_uncopied(), wg.actor_get_full_state_dict()
+    assert handed.keys() == snapshot.keys() and all(torch.equal(handed[k], snapshot[k]) for k in handed)
+    params = {(p.to_local() if hasattr(p, "to_local") else p).data_ptr() for p in actor_worker.module.parameters()}
+    assert {t.data_ptr() for t in handed.values()} <= params
+    assert not {t.data_ptr() for t in snapshot.values()} & params
 
 
 def test_hybrid_engine_on_two_ray_ranks(model_dir, tok, ray_cluster):
