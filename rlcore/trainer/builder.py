@@ -60,7 +60,7 @@ from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, Worker
 from rlcore.trainer.choices import resolve_choices
 from rlcore.trainer.config import ConfigError, to_worker_config
 from rlcore.trainer.preflight import preflight
-from rlcore.trainer.process_memory import start_run_watch
+from rlcore.trainer.process_memory import finish_run_watch, start_run_watch
 from rlcore.trainer.progress import phase
 from rlcore.trainer.stop_signal import exit_during_startup
 from rlcore.workers.actor import ActorWorker
@@ -227,6 +227,14 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
     preflight(cfg)  # every path, file and folder the run names, before any process or engine starts
     exit_during_startup()  # SIGTERM now: exit 143 with a message (the run's loop takes over once it starts)
     start_run_watch(cfg.trainer.memory_watch_s)  # the run's processes' memory, from before the first one starts
+    try:
+        return _started_workers(cfg, roles, classes)
+    except BaseException:
+        finish_run_watch(None)  # no run will report it: stopped here, or the next run in this process inherits it
+        raise
+
+
+def _started_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, type] | None) -> Workers:
     config = _worker_config(cfg)
     # A LoRA actor is its own reference (adapters off, rlcore.workers.lora): no second copy of the weights.
     lora_ref = ("ref" in roles and "ref" not in (classes or {})

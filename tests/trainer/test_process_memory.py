@@ -83,3 +83,20 @@ def test_the_run_watch_writes_memory_json_and_an_end_line(tmp_path, child):
     assert sum(record["peak_pss_bytes"].values()) >= record["peak_pss_total_bytes"]
     assert start_run_watch(5.0) is not watch  # the next run's own
     assert finish_run_watch(None).startswith("memory: peak ")
+
+
+def test_a_start_that_fails_stops_its_watch(monkeypatch):
+    """Workers that fail to start leave no watch running for the next run in this process."""
+    from omegaconf import OmegaConf
+
+    from rlcore.trainer import builder, process_memory
+
+    def dies(*args):
+        assert process_memory._RUN_WATCH is not None  # started before the first worker
+        raise RuntimeError("init_model died")
+
+    monkeypatch.setattr(builder, "preflight", lambda cfg: None)
+    monkeypatch.setattr(builder, "_started_workers", dies)
+    with pytest.raises(RuntimeError, match="init_model died"):
+        builder.build_workers(OmegaConf.create({"trainer": {"memory_watch_s": 5.0}}), ["actor"])
+    assert process_memory._RUN_WATCH is None
