@@ -59,6 +59,11 @@ class RolloutConfig:
     # null: each engine's default (vLLM's own, 128 on CPU; the async HF engine 256)
     max_num_seqs: int | None = None
     prefix_cache_bytes: int = 256 << 20  # async HF engine: per-session KV kept for a session's next turn; 0: off
+    # the rows of one prompt (its n samples) share the prompt's prefill: the HF engine computes each distinct
+    # prompt once and copies its KV to the rows; vLLM on CPU caches prefixes in blocks of SHARED_BLOCK_SIZE
+    # tokens instead of its CPU default 128, which a ~50-token chat prompt never fills (rlcore.engines.shared_prompt).
+    # false: every row prefills its own copy (the old path, kept to measure against)
+    share_prompt: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
