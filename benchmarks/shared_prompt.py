@@ -9,7 +9,9 @@ x n=8 samples, 32 new tokens, temperature 0.7, every row sampled to its full len
 so both sides generate exactly the same number of tokens. Two engines of one backend live in this
 process, one with ``share_prompt`` off (every row prefills its own copy of the prompt) and one with
 it on; timed calls alternate between them (off, on, on, off, ...), so the machine's load swings fall
-on both alike, and the ratio of their medians is the number to read. Before each timed call a vLLM
+on both alike, and the ratio of their medians is the number to read. Each call's CPU time (the
+process's, every thread: both engines compute in this process) is printed too: on a machine shared
+with other work it moves far less than wall time. Before each timed call a vLLM
 engine's prefix cache is emptied: a training step's weight sync empties it too.
 
 Also printed: greedy equality of the two engines (token for token), and the prompt columns each one
@@ -136,32 +138,37 @@ def run(args: argparse.Namespace) -> dict:
         if hasattr(engine, "llm"):
             engine.llm.reset_prefix_cache()  # as after a training step's weight sync
         counters[share].start()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         out = engine.generate(input_ids, mask, positions, settings)
-        return out, time.perf_counter() - start
+        return out, time.perf_counter() - start, time.process_time() - cpu
 
     greedy_out = {share: call(share, greedy)[0] for share in (False, True)}  # also the warm-up
     equal = torch.equal(greedy_out[False].responses, greedy_out[True].responses) and torch.equal(
         greedy_out[False].lengths, greedy_out[True].lengths)
     columns = {}
     times: dict[bool, list[float]] = {False: [], True: []}
+    cpu_times: dict[bool, list[float]] = {False: [], True: []}
     for rep in range(args.repeats):
         for share in ((False, True) if rep % 2 == 0 else (True, False)):
-            _, seconds = call(share, sample)
+            _, seconds, cpu = call(share, sample)
             times[share].append(seconds)
+            cpu_times[share].append(cpu)
             columns[share] = counters[share].prompt_columns()
             print(f"  {args.backend} share_prompt={str(share).lower():<5} {seconds:7.2f} s  "
-                  f"{rows * args.new_tokens / seconds:7.0f} tokens/s", flush=True)
+                  f"{rows * args.new_tokens / seconds:7.0f} tokens/s  {cpu:7.2f} CPU s  load {os.getloadavg()[0]:.1f}",
+                  flush=True)
     load = os.getloadavg()[0]
     median = {share: statistics.median(t) for share, t in times.items()}
+    cpu_median = {share: statistics.median(t) for share, t in cpu_times.items()}
     print(f"\n{args.backend}, {os.path.basename(path)}: {args.prompts} prompts x n={args.n}, {input_ids.shape[1]} "
           f"prompt columns, {args.new_tokens} new tokens, T={args.temperature}; load average {load:.1f}")
     for share in (False, True):
         print(f"share_prompt={str(share).lower():<5}: median {median[share]:.2f} s, "
-              f"{rows * args.new_tokens / median[share]:.0f} tokens/s, {columns[share]} prompt columns computed "
-              f"(of {int(mask.sum())} prompt tokens in {rows} rows)")
-    print(f"speed-up (off / on, medians): {median[False] / median[True]:.2f}x; greedy token-for-token equal: {equal}")
-    return {"median_s": median, "columns": columns, "greedy_equal": equal, "load": load}
+              f"{rows * args.new_tokens / median[share]:.0f} tokens/s, {cpu_median[share]:.2f} CPU s, "
+              f"{columns[share]} prompt columns computed (of {int(mask.sum())} prompt tokens in {rows} rows)")
+    print(f"speed-up (off / on, medians): wall {median[False] / median[True]:.2f}x, CPU time "
+          f"{cpu_median[False] / cpu_median[True]:.2f}x; greedy token-for-token equal: {equal}")
+    return {"median_s": median, "cpu_s": cpu_median, "columns": columns, "greedy_equal": equal, "load": load}
 
 
 if __name__ == "__main__":
