@@ -1,4 +1,4 @@
-"""Sampling that shares each group's prompt (``rollout.share_prompt``): generate's tokens/s off and on.
+"""Sampling that shares each group's prompt: generate's tokens/s off and on.
 
     python -m benchmarks.shared_prompt --backend vllm --model smollm2 --repeats 5
     python -m benchmarks.shared_prompt --backend hf --model smollm2 --repeats 3
@@ -7,8 +7,10 @@
 The SmolLM2 preset's rollout: 16 ``arithmetic_words`` prompts in SmolLM2's chat template (~47 tokens)
 x n=8 samples, 32 new tokens, temperature 0.7, every row sampled to its full length (``ignore_eos``),
 so both sides generate exactly the same number of tokens. Two engines of one backend live in this
-process, one with ``share_prompt`` off (every row prefills its own copy of the prompt) and one with
-it on; timed calls alternate between them (off, on, on, off, ...), so the machine's load swings fall
+process, one without sharing and one with: HF ``rollout.share_prompt`` false / true (every row
+prefills its own copy of the prompt / each distinct prompt once), vLLM ``rollout.block_size`` null
+(vLLM's default, 128 on CPU) / ``--block-size`` (32: its prefix cache then serves a group's other
+rows their prompt's full 32-token blocks); timed calls alternate between them (off, on, on, off, ...), so the machine's load swings fall
 on both alike, and the ratio of their medians is the number to read. Each call's CPU time (the
 process's, every thread: both engines compute in this process) is printed too: on a machine shared
 with other work it moves far less than wall time. Before each timed call a vLLM
@@ -30,6 +32,8 @@ import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from rlcore.engines.shared_prompt import SHARED_BLOCK_SIZE  # noqa: E402
 
 
 def prompt_batch(tok, count: int, chat: bool, n: int):
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per side")
     parser.add_argument("--dtype", default=None, help="rollout.dtype (null: each engine's default)")
+    parser.add_argument("--block-size", type=int, default=SHARED_BLOCK_SIZE, help="vLLM: rollout.block_size when shared")
     parser.add_argument("--quick", action="store_true", help="a tiny model, 4 prompts x 4 samples x 8 tokens, both backends")
     args = parser.parse_args()
     if args.quick:
@@ -124,9 +129,11 @@ def run(args: argparse.Namespace) -> dict:
     rows = len(input_ids)
     engines, counters = {}, {}
     for share in (False, True):
+        vllm = args.backend == "vllm"
         cfg = RolloutConfig(backend=args.backend, n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens,
                             dtype=args.dtype, share_prompt=share, max_model_len=input_ids.shape[1] + args.new_tokens,
-                            kv_cache_memory_bytes=1 << 30 if args.backend == "vllm" else None)
+                            kv_cache_memory_bytes=1 << 30 if vllm else None,
+                            block_size=args.block_size if vllm and share else None)
         engines[share] = build_engine(ModelConfig(path=path), cfg)
         counters[share] = PrefillCounter(engines[share], rows, args.new_tokens)
     sample = SamplingSettings(temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens, n=1,
@@ -154,7 +161,7 @@ def run(args: argparse.Namespace) -> dict:
             times[share].append(seconds)
             cpu_times[share].append(cpu)
             columns[share] = counters[share].prompt_columns()
-            print(f"  {args.backend} share_prompt={str(share).lower():<5} {seconds:7.2f} s  "
+            print(f"  {args.backend} shared={str(share).lower():<5} {seconds:7.2f} s  "
                   f"{rows * args.new_tokens / seconds:7.0f} tokens/s  {cpu:7.2f} CPU s  load {os.getloadavg()[0]:.1f}",
                   flush=True)
     load = os.getloadavg()[0]
@@ -163,7 +170,7 @@ def run(args: argparse.Namespace) -> dict:
     print(f"\n{args.backend}, {os.path.basename(path)}: {args.prompts} prompts x n={args.n}, {input_ids.shape[1]} "
           f"prompt columns, {args.new_tokens} new tokens, T={args.temperature}; load average {load:.1f}")
     for share in (False, True):
-        print(f"share_prompt={str(share).lower():<5}: median {median[share]:.2f} s, "
+        print(f"shared={str(share).lower():<5}: median {median[share]:.2f} s, "
               f"{rows * args.new_tokens / median[share]:.0f} tokens/s, {cpu_median[share]:.2f} CPU s, "
               f"{columns[share]} prompt columns computed (of {int(mask.sum())} prompt tokens in {rows} rows)")
     print(f"speed-up (off / on, medians): wall {median[False] / median[True]:.2f}x, CPU time "

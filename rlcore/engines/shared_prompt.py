@@ -13,11 +13,13 @@ row, ``(B, 1)``: the step that produces the first token's logits, then decoding,
 sampler draws from the same ``(B, vocab)`` scores in the same order, so with a seed the samples are
 the unshared path's; logits differ only by the float rounding of a different batch shape.
 
-vLLM (CPU build): its prefix cache shares prompt blocks between requests, including requests
-scheduled in the same step (a block is registered when allocated), but only whole blocks, and the CPU
-backend's default block is 128 tokens. ``SHARED_BLOCK_SIZE`` (the smallest its attention kernel
-takes, a multiple of 32) lets a 47-token prompt share its first 32 tokens; the SmolLM2 chat template's
-system prompt is most of them, so rows of different prompts share them too.
+vLLM (CPU build) needs nothing of this: its prefix cache shares prompt blocks between requests,
+including requests scheduled in the same step (a block is registered when allocated), but only whole
+blocks, and the CPU backend's default block is 128 tokens, which a 47-token prompt never fills.
+``rollout.block_size=32`` (the smallest its CPU attention kernel takes) lets a group's other rows
+find their prompt's first 32 tokens cached: at the SmolLM2 preset 3680 of 6040 prompt tokens were
+served from the cache (vLLM 0.32). Whether that makes sampling faster is measured by
+``benchmarks/shared_prompt.py`` (docs/benchmarks.md), and it is not the default until it is.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-SHARED_BLOCK_SIZE = 32  # vLLM CPU: KV block (prefix-cache granule) when rollout.share_prompt; its default is 128
+SHARED_BLOCK_SIZE = 32  # vLLM CPU: the smallest KV block (rollout.block_size) its attention kernel takes
 
 
 def distinct_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

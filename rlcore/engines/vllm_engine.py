@@ -44,7 +44,6 @@ from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSetti
 from rlcore.engines.dtype_choice import default_vllm_dtype
 from rlcore.engines.probe import vllm_probe_params, vllm_probe_reply
 from rlcore.engines.seeding import CallSeeds, derive_seed
-from rlcore.engines.shared_prompt import SHARED_BLOCK_SIZE
 from rlcore.engines.vllm_checksums import engine_checksums
 from rlcore.engines.vllm_logs import quiet_vllm_logs
 from rlcore.engines.vllm_worker import drop_dense_parallel_groups, in_place_plan, reload_weights
@@ -73,8 +72,6 @@ class VLLMEngine(Engine):
             # models (~50+ tokens x 128 rows) pass the 4096-token step budget, so: whole prompts only.
             longest = rollout_cfg.max_model_len or hf_config.max_position_embeddings
             engine_kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(WHOLE_PROMPT_BUDGET, longest))
-            if rollout_cfg.share_prompt:  # prefix-cache blocks a short prompt fills (rlcore.engines.shared_prompt)
-                engine_kwargs.update(enable_prefix_caching=True, block_size=SHARED_BLOCK_SIZE)
         engine_kwargs.update(rollout_cfg.vllm_overrides())
         self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
         self.cpu_weight_layout = rollout_cfg.cpu_weight_layout

@@ -25,8 +25,11 @@ LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_
 def vllm_engine(model_dir):
     from rlcore.engines.vllm_engine import VLLMEngine
 
+    # 32-token KV blocks (rollout.block_size, vLLM's CPU default is 128): the prefix cache can share a
+    # short prompt's blocks (test_the_rows_of_a_prompt_share_its_prefill_through_the_prefix_cache); the
+    # default block size is under test in tests/workers (test_weight_sync: greedy = HF after a sync)
     cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_memory_bytes=1 << 28,
-                        max_model_len=128)
+                        max_model_len=128, block_size=32)
     engine = build_engine(ModelConfig(path=model_dir), cfg)
     assert isinstance(engine, VLLMEngine)
     return engine
@@ -141,7 +144,7 @@ LONG_PROMPTS = ["12+3=" * 9, "7*8=" * 10, "100-99=" * 6]  # 45, 40, 42 character
 
 
 def test_the_rows_of_a_prompt_share_its_prefill_through_the_prefix_cache(vllm_engine, hf_engine, tok, ref_model):
-    """rollout.share_prompt (on by default): 32-token KV blocks, so a group's rows find the first row's
+    """rollout.block_size=32 (the fixture's): 32-token KV blocks, so a group's rows find the first row's
     prompt block in the prefix cache (in the same step) instead of computing it again; what they sample
     is unchanged: greedy = the HF engine's, sampled log-probs = the teacher-forced ones."""
     from rlcore.engines.shared_prompt import SHARED_BLOCK_SIZE
