@@ -62,6 +62,13 @@ class RolloutConfig:
     # null: each engine's default (vLLM's own, 128 on CPU; the async HF engine 256)
     max_num_seqs: int | None = None
     prefix_cache_bytes: int = 256 << 20  # async HF engine: per-session KV kept for a session's next turn; 0: off
+    # HF engine: the rows of one prompt (its n samples) share the prompt's prefill, each distinct prompt computed
+    # once and its KV copied to the rows (rlcore.engines.shared_prompt); false: every row prefills its own copy
+    share_prompt: bool = True
+    # vllm: KV block size in tokens, the granule of its prefix cache (which shares whole blocks only); null: vLLM's
+    # default, 128 on CPU, which a ~47-token chat prompt never fills; 32 (the CPU kernel's smallest) lets a
+    # group's rows share their prompt's first 32 tokens (benchmarks/shared_prompt.py)
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -79,13 +86,15 @@ class RolloutConfig:
                              f"gpu_memory_utilization decide), got {self.kv_cache_tokens}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs must be >= 1 (or null: the engine's default), got {self.max_num_seqs}")
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"rollout.block_size must be >= 1 (or null: vLLM's default), got {self.block_size}")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"rollout.prefix_cache_bytes must be >= 0 (0: off), got {self.prefix_cache_bytes}")
         SamplingSettings.from_config(self)  # validates the sampling keys
 
     def vllm_overrides(self) -> dict:
         """The vLLM engine arguments this section sets only when given (null: vLLM's own default)."""
-        keys = ("kv_cache_memory_bytes", "max_num_seqs")
+        keys = ("kv_cache_memory_bytes", "max_num_seqs", "block_size")
         return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
 
 

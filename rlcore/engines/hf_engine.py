@@ -11,6 +11,10 @@ Stopping: one stopping criterion handles eos / ``stop_token_ids`` / ``stop`` str
 step at which each row stopped, so the response lengths come from generation itself, not from
 guessing where padding starts (the model may legitimately sample the pad token).
 
+Shared prompts (``rollout.share_prompt``, on by default): rows that repeat a prompt (a group's n
+samples) prefill it once, and ``generate`` starts from their copied cache (``rlcore.engines.shared_prompt``);
+it samples what the unshared path samples, from the same scores in the same order.
+
 Randomness: a call with ``settings.seed`` samples under a torch RNG state seeded from (that seed,
 rank, repeat count) (``rlcore.engines.seeding.CallSeeds``): the same call gives the same samples
 whatever was generated before it, which is what makes a resumed run repeat an uninterrupted one.
@@ -42,6 +46,7 @@ from rlcore.engines.base import Engine, Generation, RolloutConfig, SamplingSetti
 from rlcore.engines.probe import hf_probe_log_probs
 from rlcore.engines.routing import assemble_hf_routing
 from rlcore.engines.seeding import CallSeeds
+from rlcore.engines.shared_prompt import shared_prefill
 from rlcore.models.config import ModelConfig, torch_dtype
 from rlcore.models.moe import RoutingRecorder, is_moe
 
@@ -161,6 +166,7 @@ class HFEngine(Engine):
         self.rng = _RngStream(rollout_cfg.seed + rank, self.device)
         self.call_seeds = CallSeeds(rank)
         self.record_routing = rollout_cfg.record_routing and is_moe(self.model)  # dense models: nothing to record
+        self.share_prompt = rollout_cfg.share_prompt
 
     def stop_token_ids(self, settings: SamplingSettings) -> list[int]:
         eos = set() if settings.ignore_eos else {self.eos_token_id, *self.model_eos_ids}
@@ -177,17 +183,24 @@ class HFEngine(Engine):
         processors.append(scores)
         config = generation_config(settings, stop_ids, self.pad_token_id)
         seeded = settings.seed is not None and not settings.greedy
+        input_ids, attention_mask, position_ids = (t.to(self.device) for t in (input_ids, attention_mask, position_ids))
+        # The rows of one prompt share its prefill (rlcore.engines.shared_prompt); routing records every
+        # row's own forward, so it keeps the unshared path.
+        shared = None
+        if self.share_prompt and not self.record_routing:
+            shared = shared_prefill(self.model, input_ids, attention_mask, position_ids)
         routing = RoutingRecorder(self.model) if self.record_routing else None
         try:
             out = self.rng.run(
                 self.model.generate,
                 seed=self.call_seeds.next(settings.seed) if seeded else None,
-                input_ids=input_ids.to(self.device),
-                attention_mask=attention_mask.to(self.device),
-                position_ids=position_ids.to(self.device),
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
                 generation_config=config,
                 stopping_criteria=StoppingCriteriaList([recorder]),
                 logits_processor=processors,
+                **({} if shared is None else {"past_key_values": shared}),
             )
         finally:
             if routing is not None:

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 MAX_NEW = 16
-KV_TOKENS = 5000  # rollout.kv_cache_tokens: 39 whole blocks of 128 tokens (vLLM's block on CPU)
+KV_TOKENS = 5000  # rollout.kv_cache_tokens: 156 whole blocks of 32 tokens (the fixture's block_size)
 LOGPROB_TOL = 1e-5
 LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 
@@ -26,8 +26,11 @@ LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_
 def vllm_engine(model_dir):
     from rlcore.engines.vllm_engine import VLLMEngine
 
+    # 32-token KV blocks (rollout.block_size, vLLM's CPU default is 128): the prefix cache can share a
+    # short prompt's blocks (test_the_rows_of_a_prompt_share_its_prefill_through_the_prefix_cache); the
+    # default block size is under test in tests/workers (test_weight_sync: greedy = HF after a sync)
     cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_tokens=KV_TOKENS,
-                        max_model_len=128)
+                        max_model_len=128, block_size=32)
     engine = build_engine(ModelConfig(path=model_dir), cfg)
     assert isinstance(engine, VLLMEngine)
     return engine
@@ -149,3 +152,45 @@ def test_kv_cache_tokens_sizes_the_cache_in_tokens(vllm_engine, model_dir):
     assert cache.num_gpu_blocks == KV_TOKENS // cache.block_size
     per_token = kv_cache_bytes(AutoConfig.from_pretrained(model_dir), torch.float32)
     assert cache.kv_cache_memory_bytes == KV_TOKENS * per_token
+
+
+LONG_PROMPTS = ["12+3=" * 9, "7*8=" * 10, "100-99=" * 6]  # 45, 40, 42 characters: one full 32-token block each
+
+
+def test_the_rows_of_a_prompt_share_its_prefill_through_the_prefix_cache(vllm_engine, hf_engine, tok, ref_model):
+    """rollout.block_size=32 (the fixture's): 32-token KV blocks, so a group's rows find the first row's
+    prompt block in the prefix cache (in the same step) instead of computing it again; what they sample
+    is unchanged: greedy = the HF engine's, sampled log-probs = the teacher-forced ones."""
+    from rlcore.engines.shared_prompt import SHARED_BLOCK_SIZE
+
+    assert vllm_engine.llm.llm_engine.vllm_config.cache_config.block_size == SHARED_BLOCK_SIZE
+    kept = []
+    generate_requests = vllm_engine.llm.generate
+
+    def keep(*args, **kwargs):  # the call's RequestOutputs, for their num_cached_tokens
+        kept.append(generate_requests(*args, **kwargs))
+        return kept[-1]
+
+    prompts, n = make_prompts(tok, LONG_PROMPTS), 4
+    vllm_engine.llm.generate = keep
+    try:
+        vllm_engine.llm.reset_prefix_cache()  # as after a weight sync
+        out_v = generate(vllm_engine, prompts, GREEDY, repeat=n)
+        cached = [o.num_cached_tokens for o in kept[-1]]
+        vllm_engine.llm.reset_prefix_cache()
+        sampled = generate(vllm_engine, prompts, settings(max_new_tokens=MAX_NEW, temperature=0.7, seed=3), repeat=n)
+    finally:
+        del vllm_engine.llm.generate
+    # each prompt computed once: its first row misses, the other n - 1 find its one full block
+    assert cached == [0] + [SHARED_BLOCK_SIZE] * (n - 1) + [0] + [SHARED_BLOCK_SIZE] * (n - 1) \
+        + [0] + [SHARED_BLOCK_SIZE] * (n - 1)
+    out_h = generate(hf_engine, prompts, GREEDY, repeat=n)
+    for key in LAYOUT_KEYS:
+        assert torch.equal(out_v.batch[key], out_h.batch[key]), key
+    torch.testing.assert_close(out_v.batch["rollout_log_probs"], out_h.batch["rollout_log_probs"], atol=LOGPROB_TOL, rtol=0)
+    for row in range(len(LONG_PROMPTS) * n):
+        prompt = unpadded(prompts.batch["input_ids"][row // n], prompts.batch["attention_mask"][row // n])
+        length = int(sampled.batch["response_mask"][row].sum())
+        response = sampled.batch["responses"][row, :length].tolist()
+        expected = hand_log_probs(ref_model, prompt, response, temperature=0.7)
+        torch.testing.assert_close(sampled.batch["rollout_log_probs"][row, :length], expected, atol=LOGPROB_TOL, rtol=0)
