@@ -448,14 +448,29 @@ def mini_batch_rows(cfg: DictConfig | Mapping, role: str) -> int | None:
     return None if mini is None else mini * rows_per_prompt(cfg, role)
 
 
+def scheduled_steps(cfg: DictConfig | Mapping, role: str) -> int:
+    """The optimizer steps of ``role`` over the whole run, for a decaying learning rate whose
+    ``total_steps`` is null: ``trainer.total_steps`` x the mini-batches of a full batch
+    (``data.train_batch_size`` / ``ppo_mini_batch_size`` prompts, one when null) x ``ppo_epochs``.
+    A step that trains fewer rows (GRPO's zero-advantage groups skipped, online DPO's pairs) takes fewer
+    optimizer steps, and the decay then ends short of its floor: count them in ``total_steps`` yourself."""
+    section, batch = cfg[role], cfg["data"]["train_batch_size"]
+    mini = section["ppo_mini_batch_size"] or batch
+    return cfg["trainer"]["total_steps"] * -(-batch // mini) * section["ppo_epochs"]
+
+
 def to_worker_config(cfg: DictConfig) -> dict[str, Any]:
     """What the workers are built with: ``to_plain(cfg)``, every trained section's
     ``ppo_mini_batch_size`` turned from prompts into the global rows of one optimizer step
-    (``mini_batch_rows``). The one place prompts become rows; the workers count rows."""
+    (``mini_batch_rows``), and a decaying learning rate's null ``total_steps`` into the run's
+    (``scheduled_steps``). The one place prompts become rows; the workers count rows."""
     config = to_plain(cfg)
     for role in TRAINED_SECTIONS:
         if role in config:
-            config[role]["ppo_mini_batch_size"] = mini_batch_rows(config, role)
+            section = config[role]
+            if section.get("lr_scheduler", "constant") != "constant" and section.get("total_steps") is None:
+                section["total_steps"] = scheduled_steps(config, role)
+            section["ppo_mini_batch_size"] = mini_batch_rows(config, role)
     return config
 
 

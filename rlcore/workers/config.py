@@ -38,7 +38,8 @@ class TrainConfig:
     weight_decay: float = 0.01  # decoupled (AdamW) or L2 (SGD) weight decay
     warmup_steps: int = 0  # optimizer steps of linear warm-up from lr / warmup_steps to lr
     lr_scheduler: str = "constant"  # after warm-up: "constant", "cosine" or "linear" decay
-    total_steps: int | None = None  # optimizer steps the decay spans (cosine / linear)
+    total_steps: int | None = None  # optimizer steps the decay spans (cosine / linear); null in a recipe's config:
+                                    # the whole run, filled in by the trainer (rlcore.trainer.config.scheduled_steps)
     min_lr_ratio: float = 0.0  # decay floor, as a fraction of lr
     grad_clip: float | None = 1.0  # max global grad norm; null or 0: no clipping
     ppo_mini_batch_size: int | None = None  # prompts per optimizer step, as in verl (x rollout.n rows); null: the whole batch
@@ -55,7 +56,7 @@ class TrainConfig:
             raise ValueError(f"optimizer {self.optimizer!r} is not one of {list(OPTIMIZERS)}")
         if self.lr_scheduler not in LR_SCHEDULERS:
             raise ValueError(f"lr_scheduler {self.lr_scheduler!r} is not one of {list(LR_SCHEDULERS)}")
-        if self.lr_scheduler != "constant" and (not self.total_steps or self.total_steps <= self.warmup_steps):
+        if self.lr_scheduler != "constant" and self.total_steps is not None and self.total_steps <= self.warmup_steps:
             raise ValueError(f"lr_scheduler {self.lr_scheduler!r} needs total_steps > warmup_steps, "
                              f"got total_steps={self.total_steps}")
         for key in ("lr", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "ppo_epochs"):

@@ -168,3 +168,34 @@ def update_batch(rows: int, prompt_width: int = 3, response_width: int = 2) -> D
         "response_mask": torch.ones(rows, response_width),
         "advantages": torch.randn(rows, response_width, generator=g),
     })
+
+
+def test_a_decaying_learning_rate_without_total_steps_spans_the_whole_run():
+    """lr_scheduler cosine/linear with total_steps null: the trainer fills in the run's optimizer steps
+    (trainer.total_steps x prompts / mini-batch prompts x epochs), so the decay reaches its floor at the
+    last update; a total_steps given is kept."""
+    from rlcore.workers.fsdp_utils import lr_multiplier
+
+    cfg = load_config({"data": {"train_batch_size": 8}, "rollout": {"n": 4}, "trainer": {"total_steps": 5},
+                       "actor": {"ppo_mini_batch_size": 2, "ppo_epochs": 3, "lr_scheduler": "cosine",
+                                 "min_lr_ratio": 0.1},
+                       "critic": {"lr_scheduler": "linear"}}, SECTIONS)
+    assert cfg.actor.total_steps is None  # the run config keeps what was given
+    worker = to_worker_config(cfg)
+    assert worker["actor"]["total_steps"] == 5 * (8 // 2) * 3 == 60
+    assert worker["critic"]["total_steps"] == 5 * 1 * 1  # null mini-batch: the whole batch, one epoch
+    actor = read_section(worker, "actor", ActorConfig)
+    multipliers = [lr_multiplier(s, 0, actor.total_steps, "cosine", 0.1) for s in range(60)]
+    assert multipliers[0] == 1.0 and multipliers[-1] > 0.1 and lr_multiplier(60, 0, 60, "cosine", 0.1) == pytest.approx(0.1)
+    given = load_config({"data": {"train_batch_size": 8}, "actor": {"lr_scheduler": "cosine", "total_steps": 7}},
+                        SECTIONS)
+    assert to_worker_config(given)["actor"]["total_steps"] == 7
+
+
+def test_the_default_ppo_run_decays_both_learning_rates_over_its_600_updates():
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        cfg = load_config(compose(config_name="ppo"), recipes.ppo.SECTIONS)
+    worker = to_worker_config(cfg)
+    for role in ("actor", "critic"):  # 150 steps x 64 / 32 prompts x 2 epochs
+        assert (worker[role]["lr_scheduler"], worker[role]["total_steps"], worker[role]["min_lr_ratio"]) == \
+            ("cosine", 600, 0.1)
