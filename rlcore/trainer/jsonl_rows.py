@@ -9,6 +9,15 @@ import os
 from pathlib import Path
 from typing import Any
 
+# Metrics that measure the machine, not the run: time, throughput, memory. Everything else a run logs
+# is a function of its config and seeds, so a resumed run logs it equal to an uninterrupted one.
+MACHINE_METRICS = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s", "memory/")
+
+
+def without_machine_metrics(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` without the keys of ``MACHINE_METRICS``: what two runs of the same config must log alike."""
+    return [{k: v for k, v in row.items() if not k.startswith(MACHINE_METRICS)} for row in rows]
+
 
 def _parse(path: Path, partial_last_line: bool) -> tuple[list[dict[str, Any]], int]:
     """The JSON objects of a JSONL file and how many non-blank lines it has. With ``partial_last_line``

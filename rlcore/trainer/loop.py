@@ -89,7 +89,7 @@ from rlcore.trainer.run_checkpoint import (
     restore_rng_state,
     save_run_state,
 )
-from rlcore.trainer.process_memory import finish_run_watch, start_run_watch
+from rlcore.trainer.process_memory import report_run_watch, start_run_watch
 from rlcore.trainer.progress import phase
 from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
 from rlcore.single_controller import abandon
@@ -166,7 +166,7 @@ class TrainingRun:
         self._teardown.callback(workers.shutdown)
         self._teardown.callback(self.watchdog.close)
         self.memory = start_run_watch(t.memory_watch_s)  # the run's processes' PSS (the builder started it)
-        self._teardown.callback(self._report_memory)
+        self._teardown.callback(report_run_watch, self.dir)  # its end line and <run>/memory.json
         try:
             self._start(t)
         except BaseException:
@@ -406,12 +406,6 @@ class TrainingRun:
                 self._abandon_step(exc)
         finally:
             self.close()
-
-    def _report_memory(self) -> None:
-        """The end-of-run line of the run's peak memory; ``<run>/memory.json`` per process."""
-        line = finish_run_watch(self.dir)
-        if line:
-            print(line, flush=True)
 
     def on_close(self, callback: Callable[[], Any]) -> None:
         """Call ``callback`` when the run closes, before the loggers and workers (latest first)."""

@@ -244,5 +244,15 @@ def finish_run_watch(run_dir: Path | None) -> str | None:
         return None
     if run_dir is not None and run_dir.is_dir():
         record = {"interval_s": watch.interval_s, **peaks.summary()}
-        (run_dir / "memory.json").write_text(json.dumps(record, indent=1) + "\n")
+        try:
+            (run_dir / "memory.json").write_text(json.dumps(record, indent=1) + "\n")
+        except OSError as exc:  # a full disk at the run's end: the line below still says it, and the run's own error stays
+            print(f"warning: could not write {run_dir / 'memory.json'}: {exc}", flush=True)
     return peaks.line()
+
+
+def report_run_watch(run_dir: Path) -> None:
+    """At the run's end: ``finish_run_watch`` and its line printed (the run's peak memory, per process)."""
+    line = finish_run_watch(run_dir)
+    if line:
+        print(line, flush=True)

@@ -15,10 +15,10 @@ from hydra import compose, initialize_config_dir
 
 import recipes.grpo
 from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.trainer.jsonl_rows import without_machine_metrics
 
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 REPO = CONFIG_DIR.parent.parent
-TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 
 # No reference model (no KL loss): one model fewer to build per run; 1 CPU thread per rank.
 SHORT = ["trainer.loggers=[jsonl]", "trainer.total_steps=2", "trainer.val_freq=0", "trainer.save_freq=0",
@@ -45,7 +45,7 @@ def last_line(message: str) -> str:
 def comparable(run_dir: Path) -> list[dict]:
     """metrics.jsonl without the wall-clock keys."""
     rows = read_jsonl_metrics(Path(run_dir) / "metrics.jsonl")
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+    return without_machine_metrics(rows)
 
 
 def recipe_process(name: str, args: list[str], log: Path) -> subprocess.Popen:

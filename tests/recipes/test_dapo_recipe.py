@@ -14,13 +14,13 @@ import recipes.dapo
 from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.run_checkpoint import load_run_state
 from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.trainer.jsonl_rows import without_machine_metrics
 
 pytestmark = pytest.mark.slow
 CONFIG_DIR = Path(recipes.dapo.__file__).parent / "config"
 REWARD = Path(__file__).with_name("dapo_reward.py")
 PROMPTS = 4  # data.train_batch_size
 CAP = 4  # algorithm.filter_groups.max_num_gen_batches (dapo.yaml)
-TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 
 
 def config(tmp_path: Path, *overrides: str):
@@ -67,5 +67,5 @@ def test_dapo_draws_prompts_until_groups_with_signal_fill_the_batch_and_resumes_
     assert resumed.start_step == 2
     got = read_jsonl_metrics(resumed.dir / "metrics.jsonl")
     assert [r["step"] for r in got] == [0, 1, 2, 3]
-    want, have = ({k: v for k, v in r.items() if not k.startswith(TIMING)} for r in (rows[3], got[3]))
+    want, have = without_machine_metrics([rows[3], got[3]])
     assert have == want, {k: (want[k], have.get(k)) for k in want if have.get(k) != want[k]}

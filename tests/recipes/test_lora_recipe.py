@@ -17,10 +17,10 @@ from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.builder import build_workers
 from rlcore.trainer.config import load_config
 from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.trainer.jsonl_rows import without_machine_metrics
 
 pytestmark = pytest.mark.slow
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
-TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 LENGTH_REWARD = Path(__file__).with_name("length_reward.py")  # random-model samples must score apart
 LORA = ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lr=5e-2"]
 
@@ -59,7 +59,7 @@ def test_grpo_with_lora_trains_and_resumes_to_the_same_metrics(tmp_path, tiny_mo
 
     def comparable(run):
         rows = read_jsonl_metrics(run.dir / "metrics.jsonl")
-        return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+        return without_machine_metrics(rows)
 
     expected, got = comparable(whole), comparable(resumed)
     assert [r["step"] for r in got] == [0, 1, 2, 3, 4]

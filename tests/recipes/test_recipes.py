@@ -30,19 +30,19 @@ from rlcore.trainer.config import ConfigError, load_config
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.tracking import read_jsonl_metrics
 from rlcore.trainer.warmstart import warm_start
+from rlcore.trainer.jsonl_rows import without_machine_metrics
 
 pytestmark = pytest.mark.slow
 CONFIG_DIR = Path(recipes.sft.__file__).parent / "config"
 REPO = CONFIG_DIR.parent.parent
 TINY_DATA = ["data.train_batch_size=4", "data.arithmetic.n_train=16", "data.arithmetic.n_val=6"]
 COMMON_RL = ["actor.ppo_micro_batch_size_per_gpu=8", "rollout.n=2", "rollout.max_new_tokens=4"]
-TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 
 
 def comparable_metrics(run: TrainingRun) -> list[dict]:
     """A run's logged rows without the wall-clock keys, which differ between any two runs: what a
     resumed run must log exactly like an uninterrupted one."""
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_jsonl_metrics(run.dir / "metrics.jsonl")]
+    return without_machine_metrics(read_jsonl_metrics(run.dir / "metrics.jsonl"))
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,12 @@ from hydra import compose, initialize_config_dir
 import recipes.grpo
 from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.trainer.jsonl_rows import without_machine_metrics
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("reasoning_gym")
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 FIXTURES = Path(__file__).parents[1] / "data" / "source_fixtures.py"
-TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 TINY = ["trainer.backend=local", "trainer.loggers=[jsonl]", "trainer.val_freq=1", "data.train_batch_size=2",
         "data.source_val_size=4", "data.max_prompt_length=128", "actor.ppo_micro_batch_size_per_gpu=8",
         "rollout.n=2", "rollout.max_new_tokens=4", "rollout.do_sample=true", "actor.ppo_mini_batch_size=2"]
@@ -35,7 +35,7 @@ def grpo(tmp_path, tiny_model, *overrides):
 
 
 def rows(run):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_jsonl_metrics(run.dir / "metrics.jsonl")]
+    return without_machine_metrics(read_jsonl_metrics(run.dir / "metrics.jsonl"))
 
 
 def test_reasoning_gym_trains_and_resumes_to_the_same_rows(tmp_path, tiny_model):

@@ -21,11 +21,11 @@ from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.run_checkpoint import find_latest_checkpoint, load_run_state
 from rlcore.trainer.stop_signal import RunStopped
 from rlcore.trainer.tracking import read_jsonl_metrics
+from rlcore.trainer.jsonl_rows import without_machine_metrics
 
 pytestmark = pytest.mark.slow
 CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
 LENGTH_REWARD = Path(__file__).resolve().parents[1] / "recipes" / "length_reward.py"  # random-model samples score apart
-TIMING = ("timing_s/", "throughput/", "rollout/gen_time_s", "rollout/tokens_per_s")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def grpo(*args: str):
 
 
 def comparable(path: Path) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in read_jsonl_metrics(path)]
+    return without_machine_metrics(read_jsonl_metrics(path))
 
 
 @pytest.fixture(scope="module")
