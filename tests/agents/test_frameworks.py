@@ -103,10 +103,12 @@ def test_one_recipe_run_trains_on_every_frameworks_episodes(tmp_path, framework_
     assert [r["step"] for r in rows if "actor/pg_loss" in r] == [1, 2]
     before, after = load_file(Path(framework_model_dir) / "model.safetensors"), load_file(run.dir / "hf" / "model.safetensors")
     assert any(not before[k].equal(after[k]) for k in before)
-    # every framework's groups were played and trained on (the pool counts kept groups by data_source; with
-    # agentic.max_ready 0 it plays no more groups than a step takes: each step is one pass over the rows)
+    # every framework's groups were played and trained on (the pool counts kept groups by data_source). The
+    # pool plays ahead of the steps, and which groups finish first depends on the machine: a step may take a
+    # second pass's group of one framework before the first pass's of another, so count at least one each
     drops = json.loads((run.dir / "drops.json").read_text())
-    assert {name: drops["by_data_source"][name]["kept"] for name in FRAMEWORKS} == {name: 2 for name in FRAMEWORKS}
+    kept = {name: drops["by_data_source"][name]["kept"] for name in FRAMEWORKS}
+    assert all(kept.values()) and sum(kept.values()) == 2 * groups, kept
     # every trained row (trainer.trajectory_groups covers the batch), by episode: its segments and what the
     # model was shown. The rows do not name their framework; a framework's first prompt does (by its
     # system prompt and tools); LangGraph's and pydantic-ai's are the same (the native round trip).
