@@ -88,6 +88,7 @@ class Workers:
     pool: Any = None  # the RayResourcePool of a Ray group
     roles: list[str] = field(default_factory=list)
     rm_trained: bool = False  # the rm role trains (recipes/reward_model.py), so it has checkpoints
+    memory_watch: bool = False  # build_workers started the run's memory watch: stopped with the group at the latest
 
     @property
     def trained(self) -> dict[str, WorkerGroup]:
@@ -99,6 +100,8 @@ class Workers:
         self.group.shutdown()
         if self.pool is not None:
             self.pool.shutdown()
+        if self.memory_watch:  # when no TrainingRun reported it first (workers built by hand)
+            finish_run_watch(None)
 
 
 def rm_is_trained(config: Mapping) -> bool:
@@ -249,7 +252,7 @@ def _started_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str
         view.balance_dp = cfg.trainer.balance_batch
     if lora_ref:
         views["ref"] = views["actor"]
-    workers = Workers(group=group, pool=pool, roles=built, rm_trained=rm_is_trained(config), **views)
+    workers = Workers(group=group, pool=pool, roles=built, rm_trained=rm_is_trained(config), memory_watch=True, **views)
     for role in ROLES:  # the actor first: it joins torch.distributed, which the others then share
         if role in built:
             phase(_loading(cfg, role))

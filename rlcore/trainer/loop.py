@@ -89,7 +89,7 @@ from rlcore.trainer.run_checkpoint import (
     restore_rng_state,
     save_run_state,
 )
-from rlcore.trainer.process_memory import report_run_watch, start_run_watch
+from rlcore.trainer.process_memory import finish_run_watch, report_run_watch, start_run_watch
 from rlcore.trainer.progress import phase
 from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
 from rlcore.single_controller import abandon
@@ -161,6 +161,7 @@ class TrainingRun:
             lock = claim_run_folder(self.dir, t.resume, t.overwrite)
         except BaseException:
             workers.shutdown()
+            finish_run_watch(None)  # the builder's watch: no run will report it
             raise
         self._teardown.callback(lock.close)  # released last
         self._teardown.callback(workers.shutdown)

@@ -71,6 +71,7 @@ def test_the_watch_sums_the_tree_and_keeps_the_peak_after_a_process_ends(child):
 
 
 def test_the_run_watch_writes_memory_json_and_an_end_line(tmp_path, child):
+    finish_run_watch(None)  # a watch an earlier test's workers left (built, never shut down) is not this one's
     assert start_run_watch(0) is None  # trainer.memory_watch_s=0: off
     watch = start_run_watch(5.0)
     assert start_run_watch(5.0) is watch  # one per run: the builder and the run share it
