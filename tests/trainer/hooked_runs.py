@@ -11,19 +11,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_hooked(recipe: str, hook_dir: Path, env_var: str, tmp_path: Path, args: list[str],
-               stop_at: str | None = None, preloaded=None) -> subprocess.CompletedProcess:
+               stop_at: str | None = None) -> subprocess.CompletedProcess:
     """``python -m recipes.<recipe> *args`` with the hook armed by ``env_var=<pid file>,<stop_at>``
-    (disarmed when ``stop_at`` is None). A disarmed run goes through ``preloaded`` where given (the
-    preloaded_python fixture: a process forked from an interpreter that imported torch & co. once); the
-    driver then has no hook, which disarmed does nothing, and the Ray workers, fresh interpreters, load it
-    from PYTHONPATH as before."""
+    (disarmed when ``stop_at`` is None)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hook_dir), str(REPO), os.environ.get("PYTHONPATH", "")])}
     env.pop(env_var, None)
     pid_file = tmp_path / "driver.pid"
     if stop_at:
         env[env_var] = f"{pid_file},{stop_at}"
-    elif preloaded is not None:
-        return preloaded.run(f"recipes.{recipe}", *args, cwd=REPO, env=env, timeout=500)
     proc = subprocess.Popen([sys.executable, "-m", f"recipes.{recipe}", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pid_file.write_text(str(proc.pid))

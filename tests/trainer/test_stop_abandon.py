@@ -127,20 +127,18 @@ VLLM_RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1", "rollout.backend=v
 HOOK_DIR = Path(__file__).with_name("stop_hook")  # its sitecustomize.py signals from inside vLLM's engine loop
 
 
-def run_grpo(tmp_path: Path, out: Path, model: str, *args: str, stop_at: str | None = None,
-             preloaded=None) -> subprocess.CompletedProcess:
-    return run_hooked("grpo", HOOK_DIR, "RLCORE_TEST_STOP_AT", tmp_path, [*overrides(model, out), *VLLM_RAY, *args], stop_at,
-                      preloaded)
+def run_grpo(tmp_path: Path, out: Path, model: str, *args: str,
+             stop_at: str | None = None) -> subprocess.CompletedProcess:
+    return run_hooked("grpo", HOOK_DIR, "RLCORE_TEST_STOP_AT", tmp_path, [*overrides(model, out), *VLLM_RAY, *args], stop_at)
 
 
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143)])
 def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_step_before(tmp_path, tiny_model, sig,
-                                                                                          code, preloaded_python):
+                                                                                          code):
     pytest.importorskip("vllm")
-    # the two runs without a signal in processes forked from the preloaded interpreter (~6 s of CPU less each)
-    whole = run_grpo(tmp_path, tmp_path / "whole", tiny_model, "trainer.total_steps=3", preloaded=preloaded_python)
+    whole = run_grpo(tmp_path, tmp_path / "whole", tiny_model, "trainer.total_steps=3")
     assert whole.returncode == 0, whole.stderr[-3000:]
     stopped = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3",
                        stop_at=f"{int(sig)},3,2")  # step 3's generate, at its second engine step
@@ -154,8 +152,7 @@ def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_st
     ckpt = run_dir / "checkpoints" / "global_step_2"
     assert find_latest_checkpoint(ckpt.parent) == (2, ckpt)
     assert f"stopped by {sig.name} during step 3 (abandoned); checkpoint {ckpt} (step 2)" in stopped.stdout
-    resumed = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3", "trainer.resume=auto",
-                       preloaded=preloaded_python)
+    resumed = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3", "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected = comparable(tmp_path / "whole" / "grpo" / "default" / "metrics.jsonl")
     got = comparable(run_dir / "metrics.jsonl")
