@@ -61,18 +61,10 @@ import recipes.grpo
 from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
 from rlcore.single_controller.worker_group import GroupFuture, GroupMethod
 from rlcore.trainer.loop import TrainingRun
+from rlcore.trainer.process_memory import rss_high_water
 from rlcore.trainer.tracking import read_jsonl_metrics
 
 QUICK = ["data.train_batch_size=8", "rollout.max_new_tokens=8"]
-
-
-def peak_rss_bytes(pid: int) -> int:
-    """The peak resident set of a live process on this machine (Linux ``VmHWM``)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
 
 
 class Stopwatch:
@@ -159,9 +151,9 @@ def run(overrides: list[str], steps: int) -> tuple[list[dict], dict[str, float],
         end_step(self, *args, **kwargs)
         watch.current["end_step"] += time.perf_counter() - start
         watch.current["worker compute"] = max(self.workers.group.busy_seconds())  # cumulative: differenced below
-        peaks["driver"] = peak_rss_bytes(os.getpid())
+        peaks["driver"] = rss_high_water(os.getpid())
         for info in self.workers.group.worker_info:  # each rank's own process (the driver's with backend=local)
-            peaks[f"rank{info['rank']}"] = peak_rss_bytes(info["pid"])
+            peaks[f"rank{info['rank']}"] = rss_high_water(info["pid"])
         watch.end_of_step()
 
     peaks: dict[str, int] = {}
