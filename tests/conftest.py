@@ -1,6 +1,10 @@
 """Shared fixtures: one local Ray instance for the whole session (fractional CPUs per actor), and the
 seed-0 tiny model (directory, tokenizer, HF reference model) that engine and rollout tests compare against,
-built once per module that asks for it (a module may define its own instead)."""
+built once per module that asks for it (a module may define its own instead).
+
+Run in parallel (``pytest -n 2``, the README's command), each xdist worker takes whole groups: a test
+file, or a whole folder where its files share an expensive session fixture (a model trained once, the
+SmolLM2 conversion), so no set-up is built twice and a module's fixtures once."""
 
 import os
 import sys
@@ -19,6 +23,21 @@ def ray_worker_pythonpath() -> str:
     """Ray workers import worker classes by module name: give them the test folders pytest put on sys.path."""
     inside = [p for p in sys.path if p and Path(p).resolve().is_relative_to(REPO)]
     return os.pathsep.join(dict.fromkeys([str(REPO), *inside, os.environ.get("PYTHONPATH", "")]))
+
+
+# folders whose files share a session fixture too costly to build on both workers
+SHARED_SET_UP = {"agentic": "tool_model_dir", "agents": "framework_model_dir", "real_model": "smollm2_dir"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup`` sends each xdist_group to one worker whole: a file, or one of SHARED_SET_UP."""
+    for item in items:
+        path = Path(item.fspath).resolve()
+        if not path.is_relative_to(REPO / "tests"):
+            continue
+        path = path.relative_to(REPO / "tests")
+        folder = path.parts[0] if len(path.parts) > 1 else ""
+        item.add_marker(pytest.mark.xdist_group(folder if folder in SHARED_SET_UP else str(path)))
 
 
 @pytest.fixture(scope="session")

@@ -237,6 +237,10 @@ class Engine(ABC):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace the policy weights (HF parameter names, any dtype) in place."""
 
+    def close(self) -> None:
+        """Release what the engine holds beyond its Python objects, now (its worker's group is shutting
+        down); nothing to do for most engines."""
+
     def abandon(self) -> None:
         """Drop the requests of a generation given up midway (``rlcore.single_controller.abandon``), so that
         nothing of it is computed later; nothing to do for an engine that keeps no requests between calls."""

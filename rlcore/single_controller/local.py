@@ -85,4 +85,6 @@ class LocalWorkerGroup(WorkerGroup):
         return out
 
     def shutdown(self) -> None:
-        self.hosts = []
+        hosts, self.hosts = self.hosts, []
+        for host in hosts:  # the workers live in this process: their engines are closed now, not when collected
+            host.close()

@@ -95,6 +95,11 @@ class Worker:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
 
+    def close(self) -> None:
+        """Free now what the worker holds beyond Python objects (an engine's threads and process-wide
+        state). An in-process group's shutdown calls it; a Ray rank's process simply ends. Nothing
+        by default."""
+
     def register_mesh(self, mesh_name: str, dp_rank: int, dp_size: int, is_collect: bool) -> None:
         """Declare this rank's place in a (DP x model-parallel) mesh for ``mesh_dispatch(mesh_name)``."""
         self._mesh[mesh_name] = {"dp_rank": dp_rank, "dp_size": dp_size, "is_collect": is_collect}
@@ -193,6 +198,16 @@ class WorkerHost:
                 worker.colocated_workers = self.workers
         return {"rank": int(env["RANK"]), "pid": os.getpid(), "node_ip": node_ip(), "node_id": _node_id(),
                 "stack_file": stack_file, "abandon_handler": abandon_handler}
+
+    def close(self) -> None:
+        """Each worker's ``close`` (in-process groups: their shutdown); one that fails is named, the rest still close."""
+        for role, worker in self.workers.items():
+            try:
+                if isinstance(worker, Worker):
+                    worker.close()
+            except Exception as exc:  # noqa: BLE001 - shutting down: say it and go on
+                print(f"warning: {role} worker's close failed: {type(exc).__name__}: {exc}", flush=True)
+        self.workers = {}
 
     def execute(self, role: str, method: str, /, *args, **kwargs) -> Any:
         permit = bool(kwargs.pop(abandon.PERMIT_KWARG, False))  # the driver's word: may this update be given up

@@ -190,6 +190,11 @@ class RolloutWorker(Worker):
         """This rank's engine's ``Engine.probe_log_probs`` (the consistency check's end-to-end probe)."""
         return self._require_engine().probe_log_probs(ids)
 
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
     def _require_engine(self) -> Engine:
         if self.engine is None:
             raise RuntimeError("the rollout engine is not built yet: call init_model() first")

@@ -38,17 +38,32 @@ def reward(response, tests=ADD_TESTS, **kwargs):
     return get_reward_fn("code")(response, tests, **kwargs)
 
 
-def fresh_uid_processes():
-    """Processes of the fresh uids that root's runs use (none may outlive a run)."""
+def processes_of(uids: set[int]) -> list[str]:
+    """Processes running as one of ``uids`` (the fresh uids this test's runs used: none may outlive its
+    run; other tests' sandboxed runs, in a parallel worker, have uids of their own)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             uid = os.stat(f"/proc/{pid}").st_uid
         except FileNotFoundError:
             continue
-        if uid >= sandbox_child.FRESH_UID_BASE:
+        if uid in uids:
             found.append(pid)
     return found
+
+
+@pytest.fixture
+def fresh_uids(monkeypatch) -> set[int]:
+    """The fresh uids the sandbox picks during the test (sandbox._fresh_uid, recorded as it returns)."""
+    picked, pick = set(), sandbox._fresh_uid
+
+    def recorded() -> int:
+        uid = pick()
+        picked.add(uid)
+        return uid
+
+    monkeypatch.setattr(sandbox, "_fresh_uid", recorded)
+    return picked
 
 
 def test_the_isolation_mode_is_reported():
@@ -128,14 +143,15 @@ def test_an_infinite_loop_is_stopped_by_cpu_time_and_a_sleep_by_wall_time(mode):
     "import os\nwhile True:\n    os.fork()",
     "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
     "import subprocess, sys\nwhile True:\n    subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])"])
-def test_a_fork_bomb_scores_zero_and_leaves_the_machine_usable(mode, bomb):
+def test_a_fork_bomb_scores_zero_and_leaves_the_machine_usable(mode, bomb, fresh_uids):
     result = run_sandboxed(bomb, limits=FAST, mode=mode)
     assert result.violation in ("processes", "cpu_time", "wall_time"), result  # a limit ended it
     assert check_program("import os\nwhile True:\n    os.fork()\ndef add(a, b): return a + b",
                          parse_tests(ADD_TESTS), FAST, mode=mode) == 0.0
     assert subprocess.run(["true"], timeout=10).returncode == 0  # the trainer can still start processes
     if os.geteuid() == 0 and mode == "namespace":
-        assert fresh_uid_processes() == []
+        assert fresh_uids and all(uid >= sandbox_child.FRESH_UID_BASE for uid in fresh_uids)
+        assert processes_of(fresh_uids) == []
 
 
 @pytest.mark.parametrize("mode", MODES)
