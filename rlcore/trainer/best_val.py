@@ -74,9 +74,10 @@ class BestValidation:
     def observe(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
         """After a validation at ``step``: ``val/best`` and ``val/best_step`` to log with it (nothing when
         ``metrics`` holds no validation score), and the weights exported when the score is a new best."""
-        if judged_score(metrics) is None:
+        new_best = self._record(step, metrics)
+        if new_best is None:
             return {}
-        if self._record(step, metrics) and self.export is not None:
+        if new_best and self.export is not None:
             self._keep(step)
         return self.metrics()
 
@@ -92,11 +93,11 @@ class BestValidation:
         partial.rename(self.dir)
         self.kept_step = step
 
-    def _record(self, step: int, metrics: Mapping[str, Any]) -> bool:
-        """Note a validation row; True when its score is a new best."""
+    def _record(self, step: int, metrics: Mapping[str, Any]) -> bool | None:
+        """Note a validation row; True when its score is a new best, None when it holds no score."""
         found = judged_score(metrics)
         if found is None:
-            return False
+            return None
         self.key, score = found
         self.last = (step, score)
         if self.score is not None and score <= self.score:

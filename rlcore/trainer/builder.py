@@ -60,7 +60,7 @@ from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, Worker
 from rlcore.trainer.choices import resolve_choices
 from rlcore.trainer.config import ConfigError, to_worker_config
 from rlcore.trainer.preflight import preflight
-from rlcore.trainer.process_memory import finish_run_watch, start_run_watch
+from rlcore.trainer.process_memory import MemoryWatch, start_run_watch
 from rlcore.trainer.progress import phase
 from rlcore.trainer.stop_signal import exit_during_startup
 from rlcore.workers.actor import ActorWorker
@@ -88,7 +88,7 @@ class Workers:
     pool: Any = None  # the RayResourcePool of a Ray group
     roles: list[str] = field(default_factory=list)
     rm_trained: bool = False  # the rm role trains (recipes/reward_model.py), so it has checkpoints
-    memory_watch: bool = False  # build_workers started the run's memory watch: stopped with the group at the latest
+    memory: MemoryWatch | None = None  # the run's memory watch, started by build_workers (reported by TrainingRun)
 
     @property
     def trained(self) -> dict[str, WorkerGroup]:
@@ -100,8 +100,8 @@ class Workers:
         self.group.shutdown()
         if self.pool is not None:
             self.pool.shutdown()
-        if self.memory_watch:  # when no TrainingRun reported it first (workers built by hand)
-            finish_run_watch(None)
+        if self.memory is not None:  # stopped with the group at the latest (workers used without a TrainingRun)
+            self.memory.stop()
 
 
 def rm_is_trained(config: Mapping) -> bool:
@@ -229,15 +229,17 @@ def build_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, t
                          f"got {list(roles)}")
     preflight(cfg)  # every path, file and folder the run names, before any process or engine starts
     exit_during_startup()  # SIGTERM now: exit 143 with a message (the run's loop takes over once it starts)
-    start_run_watch(cfg.trainer.memory_watch_s)  # the run's processes' memory, from before the first one starts
+    watch = start_run_watch(cfg.trainer.memory_watch_s)  # the run's processes' memory, from before the first one starts
     try:
-        return _started_workers(cfg, roles, classes)
+        return _started_workers(cfg, roles, classes, watch)
     except BaseException:
-        finish_run_watch(None)  # no run will report it: stopped here, or the next run in this process inherits it
+        if watch is not None:
+            watch.stop()  # no run will report it
         raise
 
 
-def _started_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, type] | None) -> Workers:
+def _started_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str, type] | None,
+                     watch: MemoryWatch | None) -> Workers:
     config = _worker_config(cfg)
     # A LoRA actor is its own reference (adapters off, rlcore.workers.lora): no second copy of the weights.
     lora_ref = ("ref" in roles and "ref" not in (classes or {})
@@ -252,7 +254,7 @@ def _started_workers(cfg: DictConfig, roles: Sequence[str], classes: Mapping[str
         view.balance_dp = cfg.trainer.balance_batch
     if lora_ref:
         views["ref"] = views["actor"]
-    workers = Workers(group=group, pool=pool, roles=built, rm_trained=rm_is_trained(config), memory_watch=True, **views)
+    workers = Workers(group=group, pool=pool, roles=built, rm_trained=rm_is_trained(config), memory=watch, **views)
     for role in ROLES:  # the actor first: it joins torch.distributed, which the others then share
         if role in built:
             phase(_loading(cfg, role))

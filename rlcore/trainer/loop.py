@@ -89,7 +89,7 @@ from rlcore.trainer.run_checkpoint import (
     restore_rng_state,
     save_run_state,
 )
-from rlcore.trainer.process_memory import finish_run_watch, report_run_watch, start_run_watch
+from rlcore.trainer.process_memory import report_run_watch, start_run_watch
 from rlcore.trainer.progress import phase
 from rlcore.trainer.run_folder import RunFolderError, claim_run_folder  # noqa: F401 (RunFolderError: re-exported)
 from rlcore.single_controller import abandon
@@ -160,14 +160,14 @@ class TrainingRun:
         try:
             lock = claim_run_folder(self.dir, t.resume, t.overwrite)
         except BaseException:
-            workers.shutdown()
-            finish_run_watch(None)  # the builder's watch: no run will report it
+            workers.shutdown()  # stops the builder's memory watch too: no run will report it
             raise
         self._teardown.callback(lock.close)  # released last
         self._teardown.callback(workers.shutdown)
         self._teardown.callback(self.watchdog.close)
-        self.memory = start_run_watch(t.memory_watch_s)  # the run's processes' PSS (the builder started it)
-        self._teardown.callback(report_run_watch, self.dir)  # its end line and <run>/memory.json
+        # the run's processes' PSS: the builder's watch, or one of its own for workers built another way
+        self.memory = workers.memory or start_run_watch(t.memory_watch_s)
+        self._teardown.callback(report_run_watch, self.memory, self.dir)  # its end line and <run>/memory.json
         try:
             self._start(t)
         except BaseException:

@@ -14,9 +14,9 @@ anonymous memory (heaps, tensors), file pages (libraries, memory-mapped weights)
 (Ray's object store), plus each process's exact ``VmHWM``. A reading walks every page table: ~20 ms of
 CPU per GiB resident (measured on the 2-core EPYC), ~80 ms for a SmolLM2 run, hence a run's default
 of one reading per 5 s (``trainer.memory_watch_s``; ``benchmarks/memory.py`` samples every 0.5 s).
-``start_run_watch`` starts the one watch of this process's run (idempotent): the builder starts it
-before any worker, ``TrainingRun`` reports it at the end of the run. Elsewhere than Linux, or where
-``/proc`` is unreadable, the readings are empty and nothing is reported.
+``start_run_watch`` starts a run's watch: the builder starts it before any worker and hands it on with
+the workers (``Workers.memory``), ``TrainingRun`` reports it at the end of the run. Elsewhere than
+Linux, or where ``/proc`` is unreadable, the readings are empty and nothing is reported.
 """
 
 from __future__ import annotations
@@ -205,7 +205,9 @@ class MemoryWatch:
             self._stopped.wait(self.interval_s)
 
     def stop(self) -> MemoryPeaks:
-        """Stop sampling (after one last reading) and return the peaks."""
+        """Stop sampling (after one last reading) and return the peaks; again: the same peaks."""
+        if self._stopped.is_set():
+            return self.peaks
         self._stopped.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -220,23 +222,15 @@ class MemoryWatch:
             return {"memory/pss_gib": self.peaks.now_total / GIB, "memory/pss_peak_gib": self.peaks.peak_total / GIB}
 
 
-_RUN_WATCH: MemoryWatch | None = None
-
-
 def start_run_watch(interval_s: float) -> MemoryWatch | None:
-    """The watch of this process's run (``trainer.memory_watch_s``; 0: none), started on the first call:
-    the builder's, before any worker starts, so that their start-up is seen too."""
-    global _RUN_WATCH
-    if _RUN_WATCH is None and interval_s > 0:
-        _RUN_WATCH = MemoryWatch(interval_s=interval_s).start()
-    return _RUN_WATCH
+    """A run's watch (``trainer.memory_watch_s``; 0: none), started: by the builder, before any worker
+    starts, so that their start-up is seen too."""
+    return MemoryWatch(interval_s=interval_s).start() if interval_s > 0 else None
 
 
-def finish_run_watch(run_dir: Path | None) -> str | None:
-    """Stop the run's watch, write ``<run_dir>/memory.json`` and return the end-of-run line (None when
-    nothing was sampled); the next run in this process starts a watch of its own."""
-    global _RUN_WATCH
-    watch, _RUN_WATCH = _RUN_WATCH, None
+def finish_run_watch(watch: MemoryWatch | None, run_dir: Path | None) -> str | None:
+    """Stop ``watch``, write ``<run_dir>/memory.json`` and return the end-of-run line (None when
+    nothing was sampled)."""
     if watch is None:
         return None
     peaks = watch.stop()
@@ -251,8 +245,8 @@ def finish_run_watch(run_dir: Path | None) -> str | None:
     return peaks.line()
 
 
-def report_run_watch(run_dir: Path) -> None:
+def report_run_watch(watch: MemoryWatch | None, run_dir: Path) -> None:
     """At the run's end: ``finish_run_watch`` and its line printed (the run's peak memory, per process)."""
-    line = finish_run_watch(run_dir)
+    line = finish_run_watch(watch, run_dir)
     if line:
         print(line, flush=True)

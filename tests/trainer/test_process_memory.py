@@ -71,33 +71,44 @@ def test_the_watch_sums_the_tree_and_keeps_the_peak_after_a_process_ends(child):
 
 
 def test_the_run_watch_writes_memory_json_and_an_end_line(tmp_path, child):
-    finish_run_watch(None)  # a watch an earlier test's workers left (built, never shut down) is not this one's
     assert start_run_watch(0) is None  # trainer.memory_watch_s=0: off
     watch = start_run_watch(5.0)
-    assert start_run_watch(5.0) is watch  # one per run: the builder and the run share it
     watch.sample()
-    line = finish_run_watch(tmp_path)
+    line = finish_run_watch(watch, tmp_path)
     assert line.startswith("memory: peak ") and " GiB PSS summed over the run's " in line
     assert "driver" in line and "python" in line
     record = json.loads((tmp_path / "memory.json").read_text())
     assert record["peak_pss_total_bytes"] >= 200 * MIB
     assert sum(record["peak_pss_bytes"].values()) >= record["peak_pss_total_bytes"]
-    assert start_run_watch(5.0) is not watch  # the next run's own
-    assert finish_run_watch(None).startswith("memory: peak ")
+    assert finish_run_watch(watch, None) == line  # stopped once: a second finish reads the same peaks
+    assert finish_run_watch(None, tmp_path) is None
 
 
 def test_a_start_that_fails_stops_its_watch(monkeypatch):
     """Workers that fail to start leave no watch running for the next run in this process."""
     from omegaconf import OmegaConf
 
-    from rlcore.trainer import builder, process_memory
+    from rlcore.trainer import builder
 
-    def dies(*args):
-        assert process_memory._RUN_WATCH is not None  # started before the first worker
+    started = []
+
+    def dies(cfg, roles, classes, watch):
+        assert watch is not None and watch._thread.is_alive()  # started before the first worker
+        started.append(watch)
         raise RuntimeError("init_model died")
 
     monkeypatch.setattr(builder, "preflight", lambda cfg: None)
     monkeypatch.setattr(builder, "_started_workers", dies)
     with pytest.raises(RuntimeError, match="init_model died"):
         builder.build_workers(OmegaConf.create({"trainer": {"memory_watch_s": 5.0}}), ["actor"])
-    assert process_memory._RUN_WATCH is None
+    assert not started[0]._thread.is_alive()
+
+
+def test_workers_shut_down_stop_the_watch_they_carry():
+    """Workers built and used without a TrainingRun (a notebook) stop their memory watch with the group."""
+    from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, Worker
+    from rlcore.trainer.builder import Workers
+
+    watch = start_run_watch(5.0)
+    Workers(group=LocalWorkerGroup(ClassWithInitArgs(Worker), world_size=1), memory=watch).shutdown()
+    assert not watch._thread.is_alive()
