@@ -27,6 +27,8 @@ def ray_worker_pythonpath() -> str:
 
 # folders whose files share a session fixture too costly to build on both workers
 SHARED_SET_UP = {"agentic": "tool_model_dir", "agents": "framework_model_dir", "real_model": "smollm2_dir"}
+# files of independent commands (no fixture worth sharing): each test a group, so both workers share them
+ONE_GROUP_PER_TEST = {"test_benchmarks.py"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -37,7 +39,8 @@ def pytest_collection_modifyitems(config, items):
             continue
         path = path.relative_to(REPO / "tests")
         folder = path.parts[0] if len(path.parts) > 1 else ""
-        item.add_marker(pytest.mark.xdist_group(folder if folder in SHARED_SET_UP else str(path)))
+        group = folder if folder in SHARED_SET_UP else str(path)
+        item.add_marker(pytest.mark.xdist_group(item.nodeid if str(path) in ONE_GROUP_PER_TEST else group))
 
 
 @pytest.fixture(scope="session")
