@@ -31,3 +31,13 @@ def test_page_examples_run(page, tmp_path):
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
                                "TOKENIZERS_PARALLELISM": "false"})
     assert proc.returncode == 0, f"{page.name}'s examples failed:\n{proc.stderr[-3000:]}"
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """CI (``.ci/run``) runs the README's second command, so what a reader runs is what CI checked."""
+    readme = (REPO / "README.md").read_text()
+    first_block = re.search(r"^```bash\n(.*?)^```", readme, re.S | re.M).group(1)
+    commands = [line for line in first_block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2 and "pytest" in commands[1], commands
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))]
+    assert ci == [commands[1]], (ci, commands[1])
