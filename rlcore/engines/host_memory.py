@@ -9,7 +9,7 @@ update, its blocks fragmented by the sampling in between, took fresh memory on t
 ``trim_heap`` (``malloc_trim(0)``: every arena's free pages handed back with ``MADV_DONTNEED``,
 the heap itself left as it is) is called where a phase has just freed a lot.
 
-``release_pages``: the pages of a tensor whose contents no longer matter (a vLLM KV cache between
+``release_pages``: the whole pages of a tensor whose contents no longer matter (a vLLM KV cache between
 two generations: its blocks are zeroed when handed to a request, and the prefix cache that could
 read old blocks is reset with it) handed back to the kernel; they read as zeros afterwards and are
 faulted in again on the next write, as they were when the cache was allocated (``torch.zeros``).

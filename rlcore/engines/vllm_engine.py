@@ -184,8 +184,9 @@ class VLLMEngine(Engine):
 
     def release_idle_memory(self) -> int:
         """The KV cache's pages handed back to the machine until the next generation (``host_memory``;
-        0.35 GiB at the SmolLM2 preset, reserved whole at start-up, idle through the update). Its blocks
-        read as zeros afterwards, as at start-up: the prefix cache, which could hand them to a request
+        0.35 GiB at the SmolLM2 preset, reserved whole at start-up, idle through the update). Its pages
+        read as zeros afterwards, as at start-up (the allocation's partial first and last pages keep
+        old contents, as any freed block does): the prefix cache, which could hand blocks to a request
         as computed, is reset first, and nothing is released while requests are running (the reset
         refuses then). The next generation faults in the pages it writes; it loses only the prefix
         blocks of earlier calls, which a weight sync resets anyway."""

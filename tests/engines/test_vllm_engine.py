@@ -210,7 +210,8 @@ def test_the_idle_kv_cache_is_given_back_and_the_next_generation_is_unchanged(vl
     assert bool(whole.any())  # the call wrote its blocks
     released = vllm_engine.release_idle_memory()
     assert whole.numel() - 2 * mmap.PAGESIZE <= released <= whole.numel()
-    assert not bool(whole.any())
+    start = -whole.data_ptr() % mmap.PAGESIZE  # whole pages only: a partial first or last page keeps its bytes
+    assert not bool(whole[start:start + released].any())
     again = generate(vllm_engine, prompts, GREEDY, repeat=2)
     for key in LAYOUT_KEYS + ("rollout_log_probs",):
         assert torch.equal(again.batch[key], first.batch[key]), key
