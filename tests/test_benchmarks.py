@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("benchmarks.chat_proxy", {"proxy_requests_per_s", "bare_requests_per_s", "proxy_over_bare_requests"}),
     ("benchmarks.balance", {"plain_s", "balanced_s", "plain_over_balanced"}),
     ("benchmarks.lora_memory", {"full_adam_bytes", "lora_adam_bytes", "full_over_lora_adam"}),
+    ("benchmarks.checkpointing", {"off", "on", "on_over_off"}),
     ("benchmarks.rollout", {"hf_tokens_per_s", "vllm-fp32_tokens_per_s", "hf_sync_over_copy", "vllm-fp32_sync_over_copy"}),
     ("benchmarks.step", {"stages", "fixed_s", "fixed_total_s", "wall_s", "worker_compute_s", "peak_rss_bytes",
                          "padding_share", "memory"}),

@@ -245,6 +245,12 @@ class Engine(ABC):
         """Drop the requests of a generation given up midway (``rlcore.single_controller.abandon``), so that
         nothing of it is computed later; nothing to do for an engine that keeps no requests between calls."""
 
+    def release_idle_memory(self) -> int:
+        """Between generations (``trainer.release_memory``): give back memory that only a generation uses,
+        to be taken again by the next one. Returns the bytes given back; 0 for an engine that holds
+        none between calls (the HF engine's KV cache lives for one call)."""
+        return 0
+
     def weight_checksums(self) -> dict[str, tuple[str, int, int] | None] | None:
         """{HF name: (dtype name, elements, hash of the bytes)} of the weights this engine samples
         with (``rlcore.algos.consistency.tensor_fingerprint``), for the consistency check to compare with the trainer's;

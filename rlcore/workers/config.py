@@ -184,3 +184,12 @@ def worker_deterministic(config: Mapping | DictConfig | Any) -> bool:
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True)
     return bool(((config or {}).get("trainer") or {}).get("deterministic", False))
+
+
+def worker_release_memory(config: Mapping | DictConfig | Any) -> bool:
+    """``trainer.release_memory`` of a run config (default on): workers hand the memory a phase freed back
+    to the machine in their own process (``rlcore.engines.host_memory``): glibc's free heap pages after
+    an update and a weight sync, a vLLM engine's KV cache between generations."""
+    if isinstance(config, DictConfig):
+        config = OmegaConf.to_container(config, resolve=True)
+    return bool(((config or {}).get("trainer") or {}).get("release_memory", True))

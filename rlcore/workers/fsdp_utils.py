@@ -32,13 +32,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
 from rlcore.engines.layout import crop_padding, pad_back
+from rlcore.engines.host_memory import trim_heap
 from rlcore.engines.seeding import set_deterministic
 from rlcore.engines.server import push_buckets
 from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
 from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
-from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device
+from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device, worker_release_memory
 from rlcore.workers.mismatch import STAND_IN
 from rlcore.workers.checkpoint import (  # noqa: F401 (load_checkpoint: rlcore.trainer.export's)
     load_checkpoint,
@@ -54,6 +55,7 @@ def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
     """Pick the device (``trainer.device``), join the process group with the matching backend, seed torch
     (and with ``trainer.deterministic``, switch its deterministic algorithms on in this process)."""
     device = worker_device(config)
+    worker.release_memory = worker_release_memory(config)  # FSDPTrainWorker.run_updates
     set_deterministic(worker_deterministic(config), device)
     worker.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -294,6 +296,7 @@ class FSDPTrainWorker(Worker):
     device: torch.device
     train_cfg: TrainConfig
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
+    release_memory = False  # trainer.release_memory, set by setup_worker
 
     @property
     def packs(self) -> bool:
@@ -403,6 +406,8 @@ class FSDPTrainWorker(Worker):
             metrics["grad_norm"].append(grad_norm)
             metrics["lr"].append(lr)
         self.update_calls += 1
+        if self.release_memory:  # the activations and gradients just freed: back to the machine, not kept in the heap
+            trim_heap()
         return {f"{prefix}/{k}": float(np.mean(v)) for k, v in metrics.items()}
 
     @register(Dispatch.ONE_TO_ALL)

@@ -31,13 +31,14 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from rlcore.engines import Engine, RolloutConfig, SamplingSettings, build_engine, set_deterministic
+from rlcore.engines.host_memory import trim_heap
 from rlcore.engines.layout import build_output, check_left_padded, pad_rollout
 from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, DispatchMode, Worker, register
 from rlcore.single_controller.decorator import collect_dp_proto, resolve_dispatch_mode
 from rlcore.typed_config import read_section
-from rlcore.workers.config import worker_deterministic, worker_device
+from rlcore.workers.config import worker_deterministic, worker_device, worker_release_memory
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -95,6 +96,7 @@ class RolloutWorker(Worker):
         self.config = read_section(config, "rollout", RolloutConfig)
         self.device = str(worker_device(config))
         self.deterministic = worker_deterministic(config)
+        self.release_memory = worker_release_memory(config)
         self.engine: Engine | None = None
         self._tok = None  # the tokenizer episode runners encode with, loaded on first use
 
@@ -125,6 +127,9 @@ class RolloutWorker(Worker):
         start = time.perf_counter()
         gen = engine.generate(rows.batch["input_ids"], rows.batch["attention_mask"], rows.batch["position_ids"], settings)
         out = build_output(rows, gen, engine.pad_token_id, time.perf_counter() - start)
+        if self.release_memory:  # the engine's cache is idle until the next call (the update runs in between)
+            engine.release_idle_memory()
+            trim_heap()
         # The temperature and top-k / top-p rollout_log_probs refer to (greedy ones are plain
         # softmax); the actor reads them from meta_info, so old_log_probs describe the same distribution.
         out.meta_info.update(settings.log_prob_meta())
@@ -178,6 +183,8 @@ class RolloutWorker(Worker):
         if not isinstance(state_dict, Mapping) or not state_dict:
             raise TypeError(f"expected a non-empty state dict (name -> tensor), got {type(state_dict).__name__}")
         self._require_engine().load_weights(state_dict)
+        if self.release_memory:  # the engine's repacked layers freed their old buffers
+            trim_heap()
         return {"rollout/weight_sync_s": time.perf_counter() - start}
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

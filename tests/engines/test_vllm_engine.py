@@ -5,6 +5,8 @@ Tolerance: with an fp32 engine vLLM's log-probs agree with HF's / a hand log_sof
 1e-5 (measured: <= 5e-7 on the tiny model); greedy tokens agree exactly.
 """
 
+import mmap
+
 import pytest
 import torch
 from engine_fixtures import PROMPTS, generate, hand_log_probs, make_prompts, settings, unpadded
@@ -194,3 +196,22 @@ def test_the_rows_of_a_prompt_share_its_prefill_through_the_prefix_cache(vllm_en
         response = sampled.batch["responses"][row, :length].tolist()
         expected = hand_log_probs(ref_model, prompt, response, temperature=0.7)
         torch.testing.assert_close(sampled.batch["rollout_log_probs"][row, :length], expected, atol=LOGPROB_TOL, rtol=0)
+
+
+def test_the_idle_kv_cache_is_given_back_and_the_next_generation_is_unchanged(vllm_engine, tok):
+    """release_idle_memory (trainer.release_memory, between a step's generation and its update): the
+    cache's pages go back to the machine (they read as zeros, as at start-up) and the prefix cache is
+    reset with them, so rows whose prompt block was cached before sample exactly as before."""
+    cache = vllm_engine.llm.collective_rpc(lambda worker: worker.model_runner.kv_caches[0])[0]  # in this process
+    whole = torch.empty(0, dtype=torch.uint8).set_(cache.untyped_storage())  # every layer's blocks, one allocation
+    prompts = make_prompts(tok, LONG_PROMPTS)  # one full 32-token block each: in the prefix cache after a call
+    vllm_engine.llm.reset_prefix_cache()
+    first = generate(vllm_engine, prompts, GREEDY, repeat=2)
+    assert bool(whole.any())  # the call wrote its blocks
+    released = vllm_engine.release_idle_memory()
+    assert whole.numel() - 2 * mmap.PAGESIZE <= released <= whole.numel()
+    start = -whole.data_ptr() % mmap.PAGESIZE  # whole pages only: a partial first or last page keeps its bytes
+    assert not bool(whole[start:start + released].any())
+    again = generate(vllm_engine, prompts, GREEDY, repeat=2)
+    for key in LAYOUT_KEYS + ("rollout_log_probs",):
+        assert torch.equal(again.batch[key], first.batch[key]), key

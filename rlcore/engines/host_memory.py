@@ -1,0 +1,73 @@
+"""Giving memory back to the machine between the phases of a step (glibc's heap, an idle KV cache).
+
+A CPU run's tensors live in glibc's malloc. Memory freed after an update (the activations, the
+gradients) goes back to malloc's free lists, not to the machine: glibc returns only what lies at
+the top of a heap (``M_TRIM_THRESHOLD``), and its mmap threshold grows with every large block freed
+(up to 32 MiB), so later tensors of that size land in the heap too. Measured on a two-step SmolLM2
+GRPO run (docs/real_models.md, "Memory"), the heap kept ~0.8 GiB between steps, and the next
+update, its blocks fragmented by the sampling in between, took fresh memory on top of it.
+``trim_heap`` (``malloc_trim(0)``: every arena's free pages handed back with ``MADV_DONTNEED``,
+the heap itself left as it is) is called where a phase has just freed a lot.
+
+``release_pages``: the whole pages of a tensor whose contents no longer matter (a vLLM KV cache between
+two generations: its blocks are zeroed when handed to a request, and the prefix cache that could
+read old blocks is reset with it) handed back to the kernel; they read as zeros afterwards and are
+faulted in again on the next write, as they were when the cache was allocated (``torch.zeros``).
+
+Linux with glibc only; elsewhere both do nothing and say so (``False``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import sys
+
+import torch
+
+MADV_DONTNEED = 4  # linux/mman.h
+_libc = None
+
+
+def _glibc():
+    """The C library if it is glibc on Linux (it has ``malloc_trim``), else None."""
+    global _libc
+    if _libc is None:
+        _libc = False
+        if sys.platform.startswith("linux"):
+            try:
+                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                lib.malloc_trim.argtypes = [ctypes.c_size_t]
+                lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                _libc = lib
+            except (OSError, AttributeError):
+                pass
+    return _libc or None
+
+
+def trim_heap() -> bool:
+    """Hand malloc's free pages back to the kernel (all arenas). True if glibc did so or had none to give."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.malloc_trim(0)
+    return True
+
+
+def release_pages(tensor: torch.Tensor) -> int:
+    """Give back the whole pages of ``tensor``'s storage (a CPU tensor whose contents are no longer
+    needed: they read as zeros afterwards). Returns the bytes released (0 where it cannot)."""
+    libc = _glibc()
+    if libc is None or tensor.device.type != "cpu":
+        return 0
+    storage = tensor.untyped_storage()
+    start, size = storage.data_ptr(), storage.nbytes()
+    page = mmap.PAGESIZE
+    first = -(-start // page) * page  # whole pages inside the storage only: its neighbours keep theirs
+    last = (start + size) // page * page
+    if last <= first:
+        return 0
+    if libc.madvise(ctypes.c_void_p(first), last - first, MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {last - first} bytes failed")
+    return last - first

@@ -1,0 +1,29 @@
+"""The 8 GB laptop preset is the SmolLM2 preset with gradient checkpointing, and nothing else."""
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+import recipes.grpo
+
+CONFIG_DIR = Path(recipes.grpo.__file__).parent / "config"
+
+
+def _flat(cfg, prefix=""):
+    out = {}
+    for key, value in cfg.items():
+        out.update(_flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
+def test_the_laptop_preset_is_the_smollm2_preset_with_gradient_checkpointing():
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        laptop = compose("grpo", overrides=["+preset=smollm2_laptop"])
+        preset = compose("grpo", overrides=["+preset=smollm2"])
+        overridden = compose("grpo", overrides=["+preset=smollm2_laptop", "model.gradient_checkpointing=false"])
+    a, b = _flat(OmegaConf.to_container(laptop)), _flat(OmegaConf.to_container(preset))
+    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"model.gradient_checkpointing"}
+    assert a["model.gradient_checkpointing"] is True and b["model.gradient_checkpointing"] is False
+    assert a["trainer.release_memory"] is True  # the heap and the idle KV cache handed back: its peak counts on it
+    assert overridden.model.gradient_checkpointing is False  # overrides after it still win
