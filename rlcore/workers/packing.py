@@ -436,44 +436,19 @@ def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, 
     row's own tokens (a shared prompt's included); the filled queries' outputs are dropped. So the
     kernel is the causal one (SDPA's flash kernel on CPU: no (L x L) scores, let alone (N x N)), one
     call forward and one backward, where a call per row measured several times slower for many short
-    rows (docs/workers.md). Both gathers are ``gather_rows``: an index_select forward and an index_add
-    backward over whole rows (autograd's own backward of index_select took torch's scatter_add_ path
-    here, 11% of a SmolLM2 micro-batch's forward and backward; a scatter into zeros by advanced indexing
-    measured ~3x slower still). Only attention sees the fill; every other layer runs on the N packed tokens."""
+    rows (docs/workers.md). Both gathers are index_selects, whose backward is an index_add (a scatter
+    into zeros by advanced indexing measured ~3x slower here). Only attention sees the fill; every
+    other layer runs on the N packed tokens."""
     rows, max_len = layout.rows, layout.max_len
     source, take = layout.source.to(q.device), layout.take.to(q.device)
 
     def spread(t: torch.Tensor) -> torch.Tensor:  # (1, H, N, D) -> (rows, H, max_len, D)
         flat = t[0].transpose(0, 1)  # (N, H, D)
         flat = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
-        return gather_rows(flat, source).view(rows, max_len, *flat.shape[1:]).transpose(1, 2)
+        return flat.index_select(0, source).view(rows, max_len, *flat.shape[1:]).transpose(1, 2)
 
     out = inner(spread(q), spread(k), spread(v), scale, dropout)  # (rows, H, max_len, D)
-    return gather_rows(out.transpose(1, 2).reshape(rows * max_len, out.shape[1], out.shape[3]), take).unsqueeze(0)
-
-
-class _GatherRows(torch.autograd.Function):
-    """``x.index_select(0, index)`` whose backward adds each gradient row into zeros with ``index_add_``
-    over (rows, everything else flattened): the same sums as autograd's backward of index_select, which
-    on CPU (torch 2.13) went through ``scatter_add_`` with the index expanded to every element."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(index)
-        ctx.source_shape = x.shape
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (index,) = ctx.saved_tensors
-        flat = grad.reshape(grad.shape[0], -1)
-        out = flat.new_zeros((ctx.source_shape[0], flat.shape[1])).index_add_(0, index, flat)
-        return out.view(ctx.source_shape), None
-
-
-def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``x.index_select(0, index)`` (an index may repeat: its rows' gradients sum), with ``_GatherRows``' backward."""
-    return _GatherRows.apply(x, index)
+    return out.transpose(1, 2).reshape(rows * max_len, out.shape[1], out.shape[3]).index_select(0, take).unsqueeze(0)
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,

@@ -13,14 +13,7 @@ from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.critic import CriticWorker
-from rlcore.workers.packing import (
-    PACKED_ATTENTION,
-    PACKED_EAGER,
-    gather_rows,
-    pack,
-    packed_attention,
-    packed_eager_attention,
-)
+from rlcore.workers.packing import PACKED_ATTENTION, PACKED_EAGER, pack, packed_attention, packed_eager_attention
 from rlcore.workers.reward_model import RewardModelWorker
 
 
@@ -76,25 +69,6 @@ def test_packed_attention_equals_per_row_padded_sdpa(kv_heads, kernel):
     whole = F.scaled_dot_product_attention(q, k.repeat_interleave(4 // kv_heads, 1), v.repeat_interleave(4 // kv_heads, 1),
                                            is_causal=True, scale=0.3).transpose(1, 2)
     assert not torch.allclose(out[:, 4:], whole[:, 4:], atol=1e-3)  # the planted fault: one causal sequence
-
-
-def test_gather_rows_gradient_sums_repeated_rows_like_index_select():
-    """The rows path's gathers (a shared prompt's rows read by every row of its group, so indices repeat):
-    values equal index_select's, and the backward's index_add over flattened rows gives autograd's
-    gradient of index_select, bit for bit, in fp32 and bf16; by hand, a row read twice gets both gradients."""
-    g = torch.Generator().manual_seed(0)
-    index = torch.tensor([4, 0, 0, 2, 4, 4, 1])  # row 3 never read: zero gradient
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(5, 3, 4, generator=g).to(dtype)
-        grad = torch.randn(7, 3, 4, generator=g).to(dtype)
-        ours, ref = x.clone().requires_grad_(), x.clone().requires_grad_()
-        out = gather_rows(ours, index)
-        torch.testing.assert_close(out, ref.index_select(0, index), rtol=0, atol=0)
-        out.backward(grad)
-        ref.index_select(0, index).backward(grad)
-        torch.testing.assert_close(ours.grad, ref.grad, rtol=0, atol=0)
-    assert torch.equal(ours.grad[3], torch.zeros(3, 4, dtype=torch.bfloat16))
-    torch.testing.assert_close(ours.grad[0].float(), (grad[1] + grad[2]).float(), rtol=1e-2, atol=1e-2)
 
 
 def test_packed_attention_refuses_a_padding_mask():
