@@ -3,9 +3,8 @@
 Why: after every backward FSDP2 reduce-scatters each layer's gradients into the sharded ones. With one
 rank there is nothing to reduce, yet it still concatenates the layer's gradients into one buffer, runs
 the (one-rank) collective over it and adds the result into the sharded gradients: two extra passes
-over every gradient per micro-batch (at SmolLM2, 0.54 GB of fp32 gradients: ~0.3 s of a 16-row
-micro-batch's ~6 s forward and backward on 2 CPU cores, counting each operator's fastest call in a
-profile, ``benchmarks/update.py --profile``). With gradient sync off, FSDP2 leaves each
+over every gradient per micro-batch (at SmolLM2, 0.54 GB of fp32 gradients; reducing once made the
+update of 8 micro-batches 1.03x faster on 2 CPU cores, 28.45 -> 27.59 s, ``benchmarks/update.py``). With gradient sync off, FSDP2 leaves each
 micro-batch's gradients accumulating on its unsharded parameters (in the reduce dtype) and reduces
 once, after the mini-batch's last backward: the same sums in the same order, as much memory (the
 unsharded gradients stand where the sharded ones stood), none of the passes in between.
