@@ -40,6 +40,7 @@ from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
 from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device, worker_release_memory
+from rlcore.workers.grad_sync import accumulates_unsynced, drop_unsynced_grads
 from rlcore.workers.mismatch import STAND_IN
 from rlcore.workers.checkpoint import (  # noqa: F401 (load_checkpoint: rlcore.trainer.export's)
     load_checkpoint,
@@ -283,6 +284,9 @@ def all_reduce_mean(value: torch.Tensor) -> float:
     return float(value)
 
 
+UNSYNCED_ACCUMULATION = True  # one rank: reduce gradients once per mini-batch (rlcore.workers.grad_sync); tests compare both
+
+
 class FSDPTrainWorker(Worker):
     """What the actor and critic share: the PPO-style update loop and checkpoints.
 
@@ -367,6 +371,7 @@ class FSDPTrainWorker(Worker):
         metrics: dict[str, list[float]] = defaultdict(list)
         seed = cfg.seed + self.update_calls
         stop = UpdateStop(self.module, self.device)  # a stopping run gives the update up before its first step
+        unsynced = UNSYNCED_ACCUMULATION and accumulates_unsynced(self.module, ws)
         for mini in data.make_iterator(global_rows // ws, cfg.ppo_epochs, seed=seed, shuffle=cfg.shuffle):
             tokens, seqs = global_counts(mini.batch["response_mask"], self.device)
             # norm_len: the mini-batch's response width, whatever width each cropped micro-batch has
@@ -377,23 +382,34 @@ class FSDPTrainWorker(Worker):
             valid = int(mini.batch["attention_mask"].sum())
             metrics["pad_frac_batch"].append(1 - valid / max(mini.batch["attention_mask"].numel(), 1))
             computed = valid_computed = borrowed = 0
-            for ix, counts in self.trained_micro_batches(mini, rows_with_grad):
-                stop.check()
-                micro = load_micro_batch(mini, ix, self.device)[0]
-                micro.meta_info = {**micro.meta_info, STAND_IN: not counts}  # a stand-in's statistics count nowhere
-                valid_computed += int(micro.batch["attention_mask"].sum())  # packed: every position computed is valid
-                computed += micro.batch["attention_mask"].numel()
-                if self.shares_prompts and "responses" in micro.batch.keys():
-                    borrowed += borrowed_prompt_tokens(micro.batch)
-                loss, micro_metrics = loss_fn(micro, scale)
-                if not counts:
-                    loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
-                loss.backward()
-                if counts:
-                    total += loss.detach()
-                    trained += len(ix)
-                    for k, v in micro_metrics.items():
-                        metrics[k].append(v)
+            micro_batches = self.trained_micro_batches(mini, rows_with_grad)
+            try:
+                for i, (ix, counts) in enumerate(micro_batches):
+                    stop.check()
+                    if unsynced:  # one rank: FSDP2 reduces the gradients after the last backward only (grad_sync)
+                        self.module.set_requires_gradient_sync(i == len(micro_batches) - 1)
+                    micro = load_micro_batch(mini, ix, self.device)[0]
+                    micro.meta_info = {**micro.meta_info, STAND_IN: not counts}  # a stand-in's statistics count nowhere
+                    valid_computed += int(micro.batch["attention_mask"].sum())  # packed: every position computed is valid
+                    computed += micro.batch["attention_mask"].numel()
+                    if self.shares_prompts and "responses" in micro.batch.keys():
+                        borrowed += borrowed_prompt_tokens(micro.batch)
+                    loss, micro_metrics = loss_fn(micro, scale)
+                    if not counts:
+                        loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
+                    loss.backward()
+                    if counts:
+                        total += loss.detach()
+                        trained += len(ix)
+                        for k, v in micro_metrics.items():
+                            metrics[k].append(v)
+            except BaseException:
+                if unsynced:  # given up (or failed) mid mini-batch: what it accumulated unsharded goes too
+                    drop_unsynced_grads(self.module)
+                raise
+            finally:
+                if unsynced:
+                    self.module.set_requires_gradient_sync(True)
             if rows_with_grad is not None:
                 metrics["trained_rows_frac"].append(trained / len(mini))
             metrics["pad_frac_computed"].append(0.0 if self.packs else 1 - valid_computed / max(computed, 1))
