@@ -27,20 +27,28 @@ def ray_worker_pythonpath() -> str:
 
 # folders whose files share a session fixture too costly to build on both workers
 SHARED_SET_UP = {"agentic": "tool_model_dir", "agents": "framework_model_dir", "real_model": "smollm2_dir"}
+GROUP = pytest.StashKey[str]()
 # files of independent commands (no fixture worth sharing): each test a group, so both workers share them
 ONE_GROUP_PER_TEST = {"test_benchmarks.py"}
 
 
 def pytest_collection_modifyitems(config, items):
-    """``--dist loadgroup`` sends each xdist_group to one worker whole: a file, or one of SHARED_SET_UP."""
+    """``--dist loadgroup`` sends each xdist_group to one worker whole: a file, or one of SHARED_SET_UP.
+    Groups with end-to-end tests (marked slow or vllm) go first, so that the last ones handed out are
+    short and the two workers finish together."""
+    heavy = set()
     for item in items:
         path = Path(item.fspath).resolve()
         if not path.is_relative_to(REPO / "tests"):
             continue
         path = path.relative_to(REPO / "tests")
         folder = path.parts[0] if len(path.parts) > 1 else ""
-        group = folder if folder in SHARED_SET_UP else str(path)
-        item.add_marker(pytest.mark.xdist_group(item.nodeid if str(path) in ONE_GROUP_PER_TEST else group))
+        group = item.nodeid if str(path) in ONE_GROUP_PER_TEST else folder if folder in SHARED_SET_UP else str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
+        item.stash[GROUP] = group
+        if item.get_closest_marker("slow") or item.get_closest_marker("vllm"):
+            heavy.add(group)
+    items.sort(key=lambda item: item.stash.get(GROUP, "") not in heavy)  # stable: each group's order kept
 
 
 @pytest.fixture(scope="session")

@@ -200,14 +200,14 @@ class WorkerHost:
                 "stack_file": stack_file, "abandon_handler": abandon_handler}
 
     def close(self) -> None:
-        """Each worker's ``close`` (in-process groups: their shutdown); one that fails is named, the rest still close."""
+        """Each worker's ``close`` (in-process groups: their shutdown); one that fails is named, the rest
+        still close. The workers stay readable (a notebook inspects a finished run's model)."""
         for role, worker in self.workers.items():
             try:
                 if isinstance(worker, Worker):
                     worker.close()
             except Exception as exc:  # noqa: BLE001 - shutting down: say it and go on
                 print(f"warning: {role} worker's close failed: {type(exc).__name__}: {exc}", flush=True)
-        self.workers = {}
 
     def execute(self, role: str, method: str, /, *args, **kwargs) -> Any:
         permit = bool(kwargs.pop(abandon.PERMIT_KWARG, False))  # the driver's word: may this update be given up
