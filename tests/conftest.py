@@ -2,9 +2,9 @@
 seed-0 tiny model (directory, tokenizer, HF reference model) that engine and rollout tests compare against,
 built once per module that asks for it (a module may define its own instead).
 
-Run in parallel (``pytest -n 2``, the README's command), each xdist worker takes whole groups: a test
-file, or a whole folder where its files share an expensive session fixture (a model trained once, the
-SmolLM2 conversion), so no set-up is built twice and a module's fixtures once."""
+Run in parallel (``pytest -n 2``, the README's command), each xdist worker takes whole groups
+(``test_group``): a test file, or a whole folder where its files share an expensive session fixture (a
+model trained once, the SmolLM2 conversion), so no set-up is built twice and a module's fixtures once."""
 
 import os
 import sys
@@ -27,28 +27,37 @@ def ray_worker_pythonpath() -> str:
 
 # folders whose files share a session fixture too costly to build on both workers
 SHARED_SET_UP = {"agentic": "tool_model_dir", "agents": "framework_model_dir", "real_model": "smollm2_dir"}
-GROUP = pytest.StashKey[str]()
 # files of independent commands (no fixture worth sharing): each test a group, so both workers share them
 ONE_GROUP_PER_TEST = {"test_benchmarks.py"}
 
 
+def test_group(nodeid: str) -> str:
+    """The unit a parallel run (``pytest -n 2``) hands a worker whole: a test file, so its module fixtures
+    are built once; a folder of SHARED_SET_UP, so its session fixture is; a test of ONE_GROUP_PER_TEST."""
+    path = nodeid.split("::")[0].removeprefix("tests/")
+    folder = path.split("/")[0] if "/" in path else ""
+    if path in ONE_GROUP_PER_TEST:
+        return nodeid
+    return folder if folder in SHARED_SET_UP else path
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduler by scope, the scope being ``test_group`` (its own ``loadgroup`` marks do not reach
+    the scheduler under pytest 9, whose node ids it can no longer suffix)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_group(nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """``--dist loadgroup`` sends each xdist_group to one worker whole: a file, or one of SHARED_SET_UP.
-    Groups with end-to-end tests (marked slow or vllm) go first, so that the last ones handed out are
-    short and the two workers finish together."""
-    heavy = set()
-    for item in items:
-        path = Path(item.fspath).resolve()
-        if not path.is_relative_to(REPO / "tests"):
-            continue
-        path = path.relative_to(REPO / "tests")
-        folder = path.parts[0] if len(path.parts) > 1 else ""
-        group = item.nodeid if str(path) in ONE_GROUP_PER_TEST else folder if folder in SHARED_SET_UP else str(path)
-        item.add_marker(pytest.mark.xdist_group(group))
-        item.stash[GROUP] = group
-        if item.get_closest_marker("slow") or item.get_closest_marker("vllm"):
-            heavy.add(group)
-    items.sort(key=lambda item: item.stash.get(GROUP, "") not in heavy)  # stable: each group's order kept
+    """Groups with end-to-end tests (marked slow or vllm) first, so that the last ones handed out are
+    short and the workers finish together (the scheduler hands groups out in this order)."""
+    heavy = {test_group(item.nodeid) for item in items if item.get_closest_marker("slow") or item.get_closest_marker("vllm")}
+    items.sort(key=lambda item: test_group(item.nodeid) not in heavy)  # stable: each group's order kept
 
 
 @pytest.fixture(scope="session")
