@@ -41,6 +41,7 @@ def test_group(nodeid: str) -> str:
     return folder if folder in SHARED_SET_UP else path
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: the suite still runs without it, one test at a time
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scheduler by scope, the scope being ``test_group`` (its own ``loadgroup`` marks do not reach
     the scheduler under pytest 9, whose node ids it can no longer suffix)."""
