@@ -25,8 +25,9 @@ def ray_worker_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys([str(REPO), *inside, os.environ.get("PYTHONPATH", "")]))
 
 
-# folders whose files share a session fixture too costly to build on both workers
-SHARED_SET_UP = {"agentic": "tool_model_dir", "agents": "framework_model_dir", "real_model": "smollm2_dir"}
+# folders whose files share a session fixture too costly to build on both workers (agentic: tool_model_dir,
+# agents: framework_model_dir, real_model: smollm2_dir)
+SHARED_SET_UP = {"agentic", "agents", "real_model"}
 # files of independent commands (no fixture worth sharing): each test a group, so both workers share them
 ONE_GROUP_PER_TEST = {"test_benchmarks.py"}
 

@@ -164,11 +164,16 @@ class CriticConfig(TrainConfig):
             raise ValueError(f"loss_agg_mode {self.loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
 
 
-def worker_device(config: Mapping | DictConfig | Any) -> torch.device:
-    """The device of a run, ``trainer.device`` ("auto": CUDA when available), checked against this machine."""
+def trainer_setting(config: Mapping | DictConfig | Any, key: str, default: Any) -> Any:
+    """``trainer.<key>`` of the run config a worker is built with (a dict, a DictConfig or None), else ``default``."""
     if isinstance(config, DictConfig):
         config = OmegaConf.to_container(config, resolve=True)
-    name = str(((config or {}).get("trainer") or {}).get("device", "auto"))
+    return ((config or {}).get("trainer") or {}).get(key, default)
+
+
+def worker_device(config: Mapping | DictConfig | Any) -> torch.device:
+    """The device of a run, ``trainer.device`` ("auto": CUDA when available), checked against this machine."""
+    name = str(trainer_setting(config, "device", "auto"))
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name not in ("cpu", "cuda"):
@@ -181,15 +186,11 @@ def worker_device(config: Mapping | DictConfig | Any) -> torch.device:
 def worker_deterministic(config: Mapping | DictConfig | Any) -> bool:
     """``trainer.deterministic`` of a run config: workers switch torch's deterministic mode on in their
     own process (``rlcore.engines.seeding.set_deterministic``), which the driver's setting does not reach."""
-    if isinstance(config, DictConfig):
-        config = OmegaConf.to_container(config, resolve=True)
-    return bool(((config or {}).get("trainer") or {}).get("deterministic", False))
+    return bool(trainer_setting(config, "deterministic", False))
 
 
 def worker_release_memory(config: Mapping | DictConfig | Any) -> bool:
     """``trainer.release_memory`` of a run config (default on): workers hand the memory a phase freed back
     to the machine in their own process (``rlcore.engines.host_memory``): glibc's free heap pages after
     an update and a weight sync, a vLLM engine's KV cache between generations."""
-    if isinstance(config, DictConfig):
-        config = OmegaConf.to_container(config, resolve=True)
-    return bool(((config or {}).get("trainer") or {}).get("release_memory", True))
+    return bool(trainer_setting(config, "release_memory", True))
