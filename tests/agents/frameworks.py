@@ -49,10 +49,22 @@ FRAMEWORKS = {
 
 
 class FrameworkAgent:
-    """Plays a row with the example agent of the framework its ``data_source`` names."""
+    """Plays a row with the example agent of the framework its ``data_source`` names.
+
+    Every framework's example is imported when the first episode's agent is made, before any episode
+    runs: imported one per episode instead, a framework's first import (langgraph's of the legacy
+    ``httpx``) could run while another episode's thread sends a request with the openai client, which
+    reads ``sys.modules["httpx"]`` and failed on the half-imported module ("partially initialized module
+    'httpx' has no attribute 'Timeout'")."""
+
+    classes: dict[str, type] = {}
+
+    def __init__(self) -> None:
+        if not FrameworkAgent.classes:
+            FrameworkAgent.classes.update({name: load_agent(f.path) for name, f in FRAMEWORKS.items()})
 
     async def run(self, ctx) -> float:
-        agent = load_agent(FRAMEWORKS[ctx.task["data_source"]].path)()
+        agent = self.classes[ctx.task["data_source"]]()
         if inspect.iscoroutinefunction(agent.run):
             return await agent.run(ctx)
         return await asyncio.to_thread(agent.run, ctx)  # a synchronous framework (smolagents)

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hooked_runs import run_hooked
+from hooked_runs import REPO, run_hooked
 from hydra import compose, initialize_config_dir
 
 import recipes.grpo
@@ -133,13 +133,22 @@ def run_grpo(tmp_path: Path, out: Path, model: str, *args: str,
     return run_hooked("grpo", HOOK_DIR, "RLCORE_TEST_STOP_AT", tmp_path, [*overrides(model, out), *VLLM_RAY, *args], stop_at)
 
 
+def run_unhooked(preloaded_python, out: Path, model: str, *args: str) -> subprocess.CompletedProcess:
+    """The same command without the hook, in a child of the preloaded interpreter (tests/preloaded_python.py):
+    the runs that are not signalled need no ``sitecustomize``, only a process of their own."""
+    env = {k: v for k, v in os.environ.items() if k != "RLCORE_TEST_STOP_AT"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    return preloaded_python.run("recipes.grpo", *overrides(model, out), *VLLM_RAY, *args, cwd=REPO, env=env,
+                                timeout=500)
+
+
 @pytest.mark.vllm
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143)])
 def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_step_before(tmp_path, tiny_model, sig,
-                                                                                          code):
+                                                                                          code, preloaded_python):
     pytest.importorskip("vllm")
-    whole = run_grpo(tmp_path, tmp_path / "whole", tiny_model, "trainer.total_steps=3")
+    whole = run_unhooked(preloaded_python, tmp_path / "whole", tiny_model, "trainer.total_steps=3")
     assert whole.returncode == 0, whole.stderr[-3000:]
     stopped = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3",
                        stop_at=f"{int(sig)},3,2")  # step 3's generate, at its second engine step
@@ -153,7 +162,7 @@ def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_st
     ckpt = run_dir / "checkpoints" / "global_step_2"
     assert find_latest_checkpoint(ckpt.parent) == (2, ckpt)
     assert f"stopped by {sig.name} during step 3 (abandoned); checkpoint {ckpt} (step 2)" in stopped.stdout
-    resumed = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3", "trainer.resume=auto")
+    resumed = run_unhooked(preloaded_python, tmp_path / "split", tiny_model, "trainer.total_steps=3", "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected = comparable(tmp_path / "whole" / "grpo" / "default" / "metrics.jsonl")
     got = comparable(run_dir / "metrics.jsonl")
