@@ -10,8 +10,14 @@ import os
 import sys
 from pathlib import Path
 
-import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+# Before torch loads (its OpenMP runtime reads this once): threads that finish a parallel region sleep instead of
+# spinning for the next one. Tests run small ops between Python lines, and two workers (-n 2) on 2 cores each
+# with 2 torch threads: spinning threads took the CPU the other worker needed (tests/workers/test_actor.py and
+# tests/algos, one at a time: 27-30 s of CPU spinning, 11 s sleeping). Subprocesses and Ray workers inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402 - after the setting above
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from rlcore.models.tiny import build_tiny_model
 from preloaded_python import PreloadedPython
