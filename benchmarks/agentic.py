@@ -63,6 +63,7 @@ from rlcore.engines import RolloutConfig, SamplingSettings, build_engine
 from rlcore.engines.server import build_async_engine, start_engine_servers
 from rlcore.models import ModelConfig, build_tiny_model
 from rlcore.models.tiny import TINY_PRESETS
+from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
 
 
 class Recorder:
@@ -186,7 +187,8 @@ def main() -> None:
     if args.engine_process:
         import ray
 
-        ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(num_cpus=args.threads, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 _system_config=worker_priority())
     model_dir = build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
     tok = AutoTokenizer.from_pretrained(model_dir)
     model_cfg = ModelConfig(path=model_dir)

@@ -27,6 +27,7 @@ from rlcore.models import build_tiny_model
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlcore.workers import ActorWorker
+from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
 
 
 def skewed_batch(rows: int, prompt_len: int, long_len: int, short_len: int, vocab: int) -> DataProto:
@@ -60,7 +61,8 @@ def main() -> None:
         args.preset, args.rows, args.long_len, args.max_token_len, args.repeats = "tiny", 16, 48, 256, 1
     model_dir = build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
     ckpt = tempfile.mkdtemp()
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False,
+             _system_config=worker_priority())
     cfg = {"model": {"path": model_dir}, "trainer": {"device": "cpu"},
            "actor": {"optimizer": "sgd", "lr": 1e-3, "use_dynamic_bsz": True,
                      "ppo_max_token_len_per_gpu": args.max_token_len}}

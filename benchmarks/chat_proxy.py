@@ -59,6 +59,7 @@ from rlcore.data.arithmetic import make_arithmetic_examples
 from rlcore.engines import RolloutConfig, SamplingSettings
 from rlcore.engines.server import build_async_engine, start_engine_servers, stop_engine_servers
 from rlcore.models import ModelConfig, build_tiny_model
+from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
 
 AGENT = str(Path(__file__).resolve().parent.parent / "examples/agents/arithmetic_chat.py") + ":RetryAgent"
 
@@ -195,7 +196,8 @@ async def run(args) -> dict:
     if args.in_process:
         engine = build_async_engine(ModelConfig(path=model_dir), rollout_cfg)
     else:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 _system_config=worker_priority())
         [engine] = start_engine_servers(1, ModelConfig(path=model_dir), rollout_cfg, num_cpus=1)
     sampling = SamplingSettings.resolve(rollout_cfg, {"n": 1})
     recorder = Recorder(engine)

@@ -23,6 +23,7 @@ import torch
 
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, Dispatch, RayResourcePool, RayWorkerGroup, Worker, register
+from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
 
 TOKENS = 1024
 
@@ -67,7 +68,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _system_config=worker_priority())
     pool = RayResourcePool([2], num_cpus_per_process=0.5)
     wg = RayWorkerGroup(pool, ClassWithInitArgs(Echo))
     raw_actors = [RawEcho.remote() for _ in range(2)]

@@ -27,6 +27,7 @@ from rlcore.engines.server import start_engine_servers
 from rlcore.models import ModelConfig, build_tiny_model
 from rlcore.single_controller import ClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlcore.workers import ActorWorker
+from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
 
 
 def plain_copy_s(model_dir: str, repeats: int) -> tuple[float, int]:
@@ -55,7 +56,8 @@ def main() -> None:
         args.preset, args.repeats = "tiny", 2
     model_dir = build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
     copy_s, nbytes = plain_copy_s(model_dir, args.repeats)
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+             _system_config=worker_priority())
     cfg = {"model": {"path": model_dir}, "trainer": {"device": "cpu"}}
     actor = RayWorkerGroup(RayResourcePool([1], num_cpus_per_process=1, name_prefix="bench_sync"),
                            ClassWithInitArgs(ActorWorker, cfg))

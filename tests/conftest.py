@@ -15,6 +15,10 @@ from pathlib import Path
 # with 2 torch threads: spinning threads took the CPU the other worker needed (tests/workers/test_actor.py and
 # tests/algos, one at a time: 27-30 s of CPU spinning, 11 s sleeping). Subprocesses and Ray workers inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Every Ray instance a test starts (benchmarks and examples call ray.init themselves) runs its workers at the
+# driver's priority, as a recipe's does (rlcore.trainer.builder.worker_priority): at Ray's nice 15 they starved
+# while the other worker computed, and Ray start-up deadlines passed.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import pytest  # noqa: E402 - after the setting above
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

@@ -139,7 +139,7 @@ def init_ray(cfg: DictConfig) -> None:
         ray.init(address=address, **options)
     else:
         loopback_only_ray()
-        ray.init(address=address, num_cpus=t.ray_num_cpus, **options)
+        ray.init(address=address, num_cpus=t.ray_num_cpus, _system_config=worker_priority(), **options)
     exit_during_startup()  # Ray's own SIGTERM handler exits with 15; the run's loop installs its own later
     phase(f"Ray ready ({'cluster at ' + address if address and address != 'local' else 'a local instance'}); "
           "starting the worker processes")
@@ -162,6 +162,18 @@ def quiet_token_notice() -> None:
     logger = logging.getLogger(RAY_TOKEN_LOGGER)
     if not any(isinstance(f, _DropTokenNotice) for f in logger.filters):
         logger.addFilter(_DropTokenNotice())
+
+
+RAY_NICENESS_ENV = "RAY_worker_niceness"
+
+
+def worker_priority() -> dict:
+    """Ray starts its worker processes at nice 15, below the driver and its own daemons; a run's workers
+    are where its compute happens, so the Ray instance a run starts gives them the driver's priority.
+    At 15 they got a few percent of the CPU whenever anything else ran: 0.3 s of work in a worker took
+    12.2 s next to three busy processes on 2 cores, 0.95 s at nice 0 (its fair share). The user's own
+    RAY_worker_niceness wins."""
+    return {} if RAY_NICENESS_ENV in os.environ else {"worker_niceness": 0}
 
 
 LOOPBACK_RAY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

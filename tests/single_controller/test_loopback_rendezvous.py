@@ -101,7 +101,7 @@ import os, time, psutil, ray
 from omegaconf import OmegaConf
 from rlcore.trainer.builder import init_ray
 init_ray(OmegaConf.create({"trainer": {"ray_address": None, "ray_num_cpus": 1, "ray_connect_timeout_s": 5}}))
-ray.get(ray.remote(lambda: 1).remote())  # a worker process too
+niceness = ray.get(ray.remote(lambda: os.nice(0)).remote())  # a worker process too, and its priority
 def name(p):
     try:
         return p.name()
@@ -116,6 +116,7 @@ deadline = time.monotonic() + 120  # a hang guard: the agents open their ports a
 while not any("Agent" in n for n, _ in listeners()) and time.monotonic() < deadline:
     time.sleep(0.2)
 time.sleep(1)  # their other ports, if any, a moment later (a shorter wait only sees fewer, never fails)
+print(niceness)
 print(listeners())
 ray.shutdown()
 """
@@ -123,11 +124,15 @@ ray.shutdown()
 
 def test_a_local_ray_instance_listens_on_loopback_only(preloaded_python):
     """The Ray a recipe starts for itself (no trainer.ray_address): GCS, raylet, workers, agents and
-    Ray's unauthenticated metrics endpoints all on loopback (by default they take every interface)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    Ray's unauthenticated metrics endpoints all on loopback (by default they take every interface); its
+    workers at the driver's priority (Ray's default: nice 15)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_worker_niceness")}
     out = preloaded_python.run(None, code=LOCAL_RAY, cwd=os.getcwd(), timeout=180, env=env)  # a driver of its own
     assert out.returncode == 0, out.stderr[-2000:]
-    listeners = eval(out.stdout.strip().splitlines()[-1])  # [(process name, address)]
+    niceness, listeners = out.stdout.strip().splitlines()[-2:]
+    assert int(niceness) == os.nice(0), niceness  # the driver's own (this test's process, unless run niced)
+    listeners = eval(listeners)  # [(process name, address)]
     names = {name for name, _ in listeners}
     assert {"gcs_server", "raylet"} <= names and any("Agent" in n for n in names), listeners  # it saw Ray's servers
     assert {ip for _, ip in listeners} <= LOOPBACK | {"::ffff:127.0.0.1"}, listeners
