@@ -13,15 +13,16 @@ from pathlib import Path
 # Before torch loads (its OpenMP runtime reads this once): threads that finish a parallel region sleep instead of
 # spinning for the next one. Tests run small ops between Python lines, and two workers (-n 2) on 2 cores each
 # with 2 torch threads: spinning threads took the CPU the other worker needed (tests/workers/test_actor.py and
-# tests/algos, one at a time: 27-30 s of CPU spinning, 11 s sleeping). Subprocesses and Ray workers inherit it.
+# tests/algos, one at a time: 27-30 s of CPU spinning, 11 s sleeping). Subprocesses and Ray workers inherit it;
+# hence the imports after it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Every Ray instance a test starts (benchmarks and examples call ray.init themselves) runs its workers at the
-# driver's priority, as a recipe's does (rlcore.trainer.builder.worker_priority): at Ray's nice 15 they starved
-# while the other worker computed, and Ray start-up deadlines passed.
+# driver's priority, as a recipe's does (rlcore.trainer.builder.worker_priority): at Ray's nice 15 they waited
+# whenever the other xdist worker computed, and a Ray test's deadlines measured the other test.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
-import pytest  # noqa: E402 - after the setting above
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlcore.models.tiny import build_tiny_model
 from preloaded_python import PreloadedPython
