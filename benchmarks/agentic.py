@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import tempfile
 import time
 
@@ -64,6 +63,7 @@ from rlcore.engines.server import build_async_engine, start_engine_servers
 from rlcore.models import ModelConfig, build_tiny_model
 from rlcore.models.tiny import TINY_PRESETS
 from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
+from benchmarks.results import write_json
 
 
 class Recorder:
@@ -264,9 +264,7 @@ def main() -> None:
     print(f"  async / lockstep = {res['async_over_lockstep']:.2f}   async / bare engine = {res['async_over_bare']:.2f}"
           f" (median of {runs})"
           + (f"   with the prefix cache: {res['async_prefix_cache_over_bare']:.2f}" if "async_prefix_cache" in res else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ pays). Timing is reported, never asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlcore.workers import ActorWorker
 from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
+from benchmarks.results import write_json
 
 
 def skewed_batch(rows: int, prompt_len: int, long_len: int, short_len: int, vocab: int) -> DataProto:
@@ -94,9 +94,7 @@ def main() -> None:
     print(f"  plain split    tokens per rank (max, min) {res['tokens_per_rank_plain']}  update {plain_s:7.3f} s")
     print(f"  balanced split tokens per rank (max, min) {res['tokens_per_rank_balanced']}  update {balanced_s:7.3f} s")
     print(f"  plain / balanced: {res['plain_over_balanced']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.json, res)
     actor.shutdown()
     pool.shutdown()
     ray.shutdown()

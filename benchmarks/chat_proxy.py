@@ -60,6 +60,7 @@ from rlcore.engines import RolloutConfig, SamplingSettings
 from rlcore.engines.server import build_async_engine, start_engine_servers, stop_engine_servers
 from rlcore.models import ModelConfig, build_tiny_model
 from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
+from benchmarks.results import write_json
 
 AGENT = str(Path(__file__).resolve().parent.parent / "examples/agents/arithmetic_chat.py") + ":RetryAgent"
 
@@ -294,8 +295,7 @@ def main() -> None:
             print(f"  streamed {out['ttft']['tokens']}-token replies, {name.replace('_', ' ')}: first delta "
                   f"{t['ttft_s_median'] * 1e3:.0f} ms (max {t['ttft_s_max'] * 1e3:.0f}), whole reply "
                   f"{t['reply_s_median'] * 1e3:.0f} ms (medians; {t['deltas_per_reply']:.0f} deltas a reply)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    write_json(args.json, out)
 
 
 if __name__ == "__main__":

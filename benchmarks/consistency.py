@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import tempfile
 import time
@@ -34,6 +33,7 @@ from hydra import compose, initialize_config_dir
 import recipes.grpo
 from rlcore.trainer.tracking import read_jsonl_metrics
 from rlcore.workers.mismatch import MismatchCollector
+from benchmarks.results import write_json
 
 QUICK = ["data.train_batch_size=8", "rollout.max_new_tokens=8"]
 TIMED = ("start", "add", "finish")
@@ -99,8 +99,7 @@ def main() -> None:
     result = run(overrides, steps)
     for key, value in result.items():
         print(f"{key:>22}: {value:.6g}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

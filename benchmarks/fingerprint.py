@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from rlcore.algos.consistency import weight_fingerprints
 from rlcore.models.gguf import resolve_model_path
+from benchmarks.results import write_json
 
 
 def float_sums(state: dict[str, torch.Tensor]) -> dict[str, tuple[int, float, float]]:
@@ -77,9 +78,7 @@ def main() -> None:
         torch.set_num_threads(threads)
         result[f"threads_{threads}"]["float_sums_s"] = median_s(lambda: float_sums(state), args.repeat)
     print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

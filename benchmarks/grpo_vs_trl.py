@@ -55,6 +55,7 @@ if not __package__:  # run as a file (python benchmarks/grpo_vs_trl.py, and each
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.machine_limit import mfu  # noqa: E402
+from benchmarks.results import write_json  # noqa: E402
 
 
 def make_prompts(count: int, task: str) -> list[dict]:
@@ -436,11 +437,9 @@ def main() -> None:
         if "trained_rows_frac" in r:
             print(f"  {side:12s} rows trained per step {[round(f, 2) for f in r['trained_rows_frac'][:10]]}, "
                   f"share of their tokens held once as shared prompts {[round(f, 2) for f in r['shared_prompt_frac'][:10]]}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": {k: v for k, v in vars(args).items() if k != "side"}, "cpu": flags, "step_s": step,
-                       "trl_over_rlcore": ratios, "matmul_peak_flops": peak, "dtypes": dtypes,
-                       "flops_and_mfu": limits, "results": results}, f, indent=2)
+    write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "side"}, "cpu": flags, "step_s": step,
+                           "trl_over_rlcore": ratios, "matmul_peak_flops": peak, "dtypes": dtypes,
+                           "flops_and_mfu": limits, "results": results})
 
 
 if __name__ == "__main__":

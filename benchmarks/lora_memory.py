@@ -13,7 +13,6 @@ savings ratio is printed and written; nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -25,6 +24,7 @@ from rlcore.models import build_tiny_model
 from rlcore.protocol import DataProto
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers import ActorWorker
+from benchmarks.results import write_json
 
 
 def synthetic_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0) -> DataProto:
@@ -115,9 +115,7 @@ def main() -> None:
               f"params {m['param_bytes'] / mib:8.2f} MiB; update {m['update_s']:.3f} s")
     print(f"Adam state: full / LoRA = {result['full_over_lora_adam']:.1f}x; "
           f"update time full / LoRA = {result['full_over_lora_update_s']:.2f}x")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from rlcore.workers.packing import PACKED_ATTENTION, PACKED_EAGER, pack
+from benchmarks.results import write_json
 
 PER_ROW = "bench_sdpa_per_row"
 
@@ -135,9 +136,7 @@ def main(argv=None) -> dict:
             diff = float((outputs[name] - outputs["padded_eager"]).abs().max())
             report.setdefault("max_abs_diff_vs_padded_eager", {})[name] = diff
     print(json.dumps(report, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json, report)
     return report
 
 

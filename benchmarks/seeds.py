@@ -17,7 +17,6 @@ printed beside them). The table: final and best ``val/reward_mean`` with their s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from rlcore.trainer.jsonl_rows import read_jsonl_metrics
+from benchmarks.results import write_json
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         final = f"{r['final'][1]:.4g} ({r['final'][0]})" if "final" in r else "-"
         best = f"{r['best'][1]:.4g} ({r['best'][0]})" if "best" in r else "-"
         print(f"| {r['seed']} | {final} | {best} | {r['wall_s']} | {r['load'][0]:.1f}/{r['load'][1]:.1f} | {r['rc']} |")
-    if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

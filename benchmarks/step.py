@@ -63,6 +63,7 @@ from rlcore.single_controller.worker_group import GroupFuture, GroupMethod
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.process_memory import rss_high_water
 from rlcore.trainer.tracking import read_jsonl_metrics
+from benchmarks.results import write_json
 
 QUICK = ["data.train_batch_size=8", "rollout.max_new_tokens=8"]
 
@@ -245,12 +246,10 @@ def main() -> None:
           + f"update {median(rows, 'timing_s/update_actor'):.3f} s")
     trained = median(rows, "actor/trained_rows_frac")  # with skip_zero_advantage_rows where it applies (no KL loss)
     print(f"rows the actor trained on: {'all' if trained != trained else f'{trained:.0%} (the rest had zero advantage)'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
-                       "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained, "padding_share": padding,
-                       "worker_compute_s": compute, "parts_s": parts, "peak_rss_bytes": peaks,
-                       "matmul_peak_flops": peak, "memory": memory}, f, indent=2)
+    write_json(args.json, {"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
+                           "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained,
+                           "padding_share": padding, "worker_compute_s": compute, "parts_s": parts,
+                           "peak_rss_bytes": peaks, "matmul_peak_flops": peak, "memory": memory})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Usage: python -m benchmarks.watchdog [--steps 31] [--quick] [--json out.json]
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -36,6 +35,7 @@ from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.timing import Timer
 from rlcore.trainer.tracking import read_jsonl_metrics
 from rlcore.trainer.watchdog import Watchdog
+from benchmarks.results import write_json
 
 
 class Noop(Worker):
@@ -187,8 +187,7 @@ def main() -> None:
           f"{res['steps_each']} steps each way, alternating: median on {res['step_on_s']:.3f} s, off "
           f"{res['step_off_s']:.3f} s (on/off {res['measured_on_over_off']:.3f}); predicted overhead {predicted:.1f} us = "
           f"{100 * res['predicted_share']:.4f}% of a step")
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

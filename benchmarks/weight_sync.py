@@ -13,7 +13,6 @@ bucket the engine held. Timing is reported, never asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -28,6 +27,7 @@ from rlcore.models import ModelConfig, build_tiny_model
 from rlcore.single_controller import ClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from rlcore.workers import ActorWorker
 from rlcore.trainer.builder import worker_priority  # the workers at the driver's priority, as a run's
+from benchmarks.results import write_json
 
 
 def plain_copy_s(model_dir: str, repeats: int) -> tuple[float, int]:
@@ -77,9 +77,7 @@ def main() -> None:
     print(f"  plain copy_ of the state dict   {copy_s * 1e3:8.1f} ms")
     print(f"  push_weights to the engine      {push_s * 1e3:8.1f} ms  ({res['push_over_copy']:.1f}x; the engine's "
           f"own loading {res['engine_load_s'] * 1e3:.1f} ms of it)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
+    write_json(args.json, res)
     ray.shutdown()
 
 
