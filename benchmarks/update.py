@@ -66,7 +66,7 @@ def build_actor(args):
                   "ppo_micro_batch_size_per_gpu": args.micro_batch, "use_dynamic_bsz": bool(args.token_budget),
                   "ppo_max_token_len_per_gpu": args.token_budget or 16384},
     }
-    if args.keep_logits_mb:
+    if getattr(args, "keep_logits_mb", None):
         config["actor"]["keep_logits_mb"] = args.keep_logits_mb[0]
     group = LocalWorkerGroup(create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorWorker, config)}))
     actor = group.spawn({"actor"})["actor"]
