@@ -10,9 +10,9 @@ the entropy run on ``chunk_tokens`` positions at a time, and the backward is wri
 chunk's logits at a time and turns them into the gradient in place. Each full-vocabulary pass is
 a pass over memory (a chunk of 341 x 49k fp32 logits is 64 MiB), so the forward makes the fewest
 (max, exp and one dot product; no softmax tensor) and the backward reuses the forward's
-log-sum-exp and E and skips the entropy's term when the loss does not use the entropy. At most one chunk's logits (and
-two tensors of its size) exist at any moment, whatever the batch; the price is the head's matmul
-once more in the backward, over the response positions only.
+log-sum-exp and E and skips the entropy's term when the loss does not use the entropy. Unless some are
+kept (below), at most one chunk's logits (and two tensors of its size) exist at any moment, whatever
+the batch; the price is the head's matmul once more in the backward, over the response positions only.
 
 That price can be bought back with memory: ``keep_tokens`` positions' logits (whole chunks, the first
 ones) are kept from the forward and the backward works on them in place instead of recomputing them
