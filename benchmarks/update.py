@@ -2,6 +2,7 @@
 
     python -m benchmarks.update [--model smollm2] [--repeats 3] [--micro-batch 16] [--token-budget N]
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
+    python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
 
 The rows are those of ``benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16
 --n 8 --new-tokens 32 --micro-batch 16``: the task's 16 chat prompts, left-padded, each repeated n times
@@ -65,6 +66,8 @@ def build_actor(args):
                   "ppo_micro_batch_size_per_gpu": args.micro_batch, "use_dynamic_bsz": bool(args.token_budget),
                   "ppo_max_token_len_per_gpu": args.token_budget or 16384},
     }
+    if getattr(args, "keep_logits_mb", None):
+        config["actor"]["keep_logits_mb"] = args.keep_logits_mb[0]
     group = LocalWorkerGroup(create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorWorker, config)}))
     actor = group.spawn({"actor"})["actor"]
     actor.init_model()
@@ -119,6 +122,8 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=None)
     parser.add_argument("--train-dtype", default="fp32", choices=["fp32", "bfloat16"])
     parser.add_argument("--shared-prompts", default=True, action=argparse.BooleanOptionalAction)
+    parser.add_argument("--keep-logits-mb", type=lambda v: [float(x) for x in v.split(",")], default=None,
+                        help="actor.keep_logits_mb; several (comma-separated): the timed updates alternate between them")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=30)
@@ -127,6 +132,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
+    from rlcore.algos.token_scores import chunk_tokens_for
     from rlcore.models.gguf import resolve_model_path
 
     args.model = resolve_model_path(args.model)
@@ -140,16 +146,26 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, {torch.backends.cpu.get_cpu_capability()}; "
           f"{args.train_dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; update {flops / 1e12:.2f} TFLOP useful "
           f"({len(batch)} rows, prompt {prompt_len:.1f} tokens, {args.new_tokens} new)")
-    times = []
+    sides = args.keep_logits_mb or [None]
+    times: dict = {side: [] for side in sides}
     for i in range(args.repeats + 1):
+        side = sides[(i - 1) % len(sides)] if i else sides[0]
+        if side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
+            worker.head.keep_tokens = chunk_tokens_for(model_config.vocab_size, side) if side > 0 else 0
         start = time.perf_counter()
         metrics = actor.update_policy(batch)[0]
-        times.append(time.perf_counter() - start)
-        print(f"update {i}{' (warm-up)' if i == 0 else ''}: {times[-1]:.2f} s, MFU {mfu(flops, times[-1], peak):.1%}, "
+        seconds = time.perf_counter() - start
+        if i:
+            times[side].append(seconds)
+        label = " (warm-up)" if i == 0 else ("" if side is None else f" keep_logits_mb={side:g}")
+        print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}", flush=True)
-    if args.repeats:
-        best, med = min(times[1:]), statistics.median(times[1:])
-        print(f"median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} (best {mfu(flops, best, peak):.1%})")
+    for side, ts in times.items():
+        if ts:
+            best, med = min(ts), statistics.median(ts)
+            label = "" if side is None else f"keep_logits_mb={side:g}: "
+            print(f"{label}median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} "
+                  f"(best {mfu(flops, best, peak):.1%})")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -10,9 +10,15 @@ the entropy run on ``chunk_tokens`` positions at a time, and the backward is wri
 chunk's logits at a time and turns them into the gradient in place. Each full-vocabulary pass is
 a pass over memory (a chunk of 341 x 49k fp32 logits is 64 MiB), so the forward makes the fewest
 (max, exp and one dot product; no softmax tensor) and the backward reuses the forward's
-log-sum-exp and E and skips the entropy's term when the loss does not use the entropy. At most one chunk's logits (and
-two tensors of its size) exist at any moment, whatever the batch; the price is the head's matmul
-once more in the backward, over the response positions only.
+log-sum-exp and E and skips the entropy's term when the loss does not use the entropy. Unless some are
+kept (below), at most one chunk's logits (and two tensors of its size) exist at any moment, whatever
+the batch; the price is the head's matmul once more in the backward, over the response positions only.
+
+That price can be bought back with memory: ``keep_tokens`` positions' logits (whole chunks, the first
+ones) are kept from the forward and the backward works on them in place instead of recomputing them
+(the same tensors, so the same gradients bit for bit). At SmolLM2 on 2 CPU cores the recompute is
+0.23 of the update's 4.2 TFLOP; a 16-row micro-batch of 32 response tokens keeps 96 MiB (the actor's
+``actor.keep_logits_mb`` caps it; docs/benchmarks.md, "Where the update loses time").
 
 The numbers are those of the plain path (``logprobs_from_logits`` / ``entropy_from_logits`` of
 ``filter_logits(logits.float() / temperature)``), chunked over positions: rows of a matmul do not
@@ -69,37 +75,45 @@ def _lse_expected_entropy(z: Tensor, filtered: bool) -> tuple[Tensor, Tensor, Te
 
 class _ChunkScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, top_k, top_p, chunk_tokens):
+    def forward(ctx, hidden, weight, bias, labels, temperature, top_k, top_p, chunk_tokens, keep_tokens):
         filtered = sampling_filter_active(top_k, top_p)
         n = hidden.shape[0]
         log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy, lse, expected = torch.empty_like(log_prob), torch.empty_like(log_prob), torch.empty_like(log_prob)
+        kept: list[Tensor] = []  # the first chunks' logits, for the backward to use in place of recomputing them
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
             z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
             lse[s:e], expected[s:e], entropy[s:e] = _lse_expected_entropy(z, filtered)
             log_prob[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse[s:e]
+            if e <= keep_tokens:
+                kept.append(z)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, expected)
+        ctx.kept = kept  # not saved tensors: the backward consumes them (a second backward recomputes)
         ctx.settings = (temperature, top_k, top_p, chunk_tokens, filtered)
         ctx.set_materialize_grads(False)  # an output the loss does not use (often the entropy) gets None
         return log_prob, entropy
 
     @staticmethod
     def backward(ctx, grad_log_prob, grad_entropy):
-        """Per chunk, the logits once more and, in place on them, p = exp(z - lse) times the per-row
+        """Per chunk, the logits (kept from the forward, or computed once more) and, in place on them, p = exp(z - lse) times the per-row
         factors of both gradients (their sum is linear in z: -g_lp - g_ent (z - E)); the one-hot
         part of the log-prob's added at the labels; divided by the temperature through the factors."""
         hidden, weight, bias, labels, lse, expected = ctx.saved_tensors
         temperature, top_k, top_p, chunk_tokens, filtered = ctx.settings
+        kept, ctx.kept = ctx.kept, []  # worked on in place below: a second backward must recompute them
         if grad_log_prob is None and grad_entropy is None:
-            return None, None, None, None, None, None, None, None
+            return (None,) * 9
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = grad_b = None
         n = hidden.shape[0]
-        for s in range(0, n, chunk_tokens):
+        for i, s in enumerate(range(0, n, chunk_tokens)):
             e = min(s + chunk_tokens, n)
-            z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
+            if i < len(kept):
+                z, kept[i] = kept[i], None  # freed as soon as this chunk's gradient is taken
+            else:
+                z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
             g_lp = grad_log_prob[s:e, None] / temperature if grad_log_prob is not None else None
             if grad_entropy is not None:  # the entropy's factor -g_ent (z - E), before z turns into p
                 g_ent = grad_entropy[s:e, None] / temperature
@@ -126,20 +140,24 @@ class _ChunkScores(torch.autograd.Function):
                 part = grad_pre.float().sum(0)
                 grad_b = part if grad_b is None else grad_b.add_(part)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
 
 
 def token_log_probs_and_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
                                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                                chunk_tokens: int = 1024) -> tuple[Tensor, Tensor]:
+                                chunk_tokens: int = 1024, keep_tokens: int = 0) -> tuple[Tensor, Tensor]:
     """(log p(label), entropy), fp32 and shaped like ``labels``, of the distribution
     ``filter(softmax(hidden @ weight.T + bias) / temperature)``; ``hidden`` is (..., H), ``labels`` (...).
 
-    Differentiable in ``hidden``, ``weight`` and ``bias`` (both outputs)."""
+    Differentiable in ``hidden``, ``weight`` and ``bias`` (both outputs). ``keep_tokens``: up to this
+    many positions' logits (whole chunks) are kept for the backward instead of recomputed there; only
+    where a backward can follow (grad enabled and an input that needs it)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree but for the last dim")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
-    log_prob, entropy = _ChunkScores.apply(flat_h, weight, bias, flat_y, temperature, top_k, top_p, chunk_tokens)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    log_prob, entropy = _ChunkScores.apply(flat_h, weight, bias, flat_y, temperature, top_k, top_p, chunk_tokens,
+                                           keep_tokens if grads else 0)
     return log_prob.reshape(labels.shape), entropy.reshape(labels.shape)

@@ -90,7 +90,8 @@ class ActorWorker(FSDPTrainWorker):
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **load_kwargs(model_cfg))
-        self.head = install_response_head(model, self.train_cfg.logits_chunk_mb)  # scores tokens without (B, T, V) logits
+        # scores tokens without (B, T, V) logits; keeps up to actor.keep_logits_mb of them for the backward
+        self.head = install_response_head(model, self.train_cfg.logits_chunk_mb, self.train_cfg.keep_logits_mb)
         # MoE: frozen routers (actor only) and router-replay hooks; None for a dense model
         self.moe = MoEActor.build(model, self.role == "actor" and self.train_cfg.freeze_router, self.train_cfg.router_replay)
         if self.role == "ref":

@@ -110,6 +110,7 @@ class ActorConfig(TrainConfig, PolicyLossConfig):
 
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
     logits_chunk_mb: float = 64.0  # log-probs / entropy from the LM head this many MiB of fp32 logits at a time (rlcore.algos.token_scores)
+    keep_logits_mb: float = 128.0  # up to this many MiB of a micro-batch's logits kept for its backward, not recomputed (0: none)
     skip_zero_advantage_rows: bool = True  # rows whose advantages are all 0 skip forward/backward where their gradient is exactly 0
     use_kl_loss: bool = False  # loss += kl_loss_coef * KL(pi || ref) (needs ref_log_prob: the ref role)
     kl_loss_coef: float = 0.001  # weight of that KL term in the loss
@@ -131,6 +132,8 @@ class ActorConfig(TrainConfig, PolicyLossConfig):
         PolicyLossConfig.__post_init__(self)
         if self.logits_chunk_mb <= 0:
             raise ValueError(f"logits_chunk_mb must be > 0, got {self.logits_chunk_mb}")
+        if self.keep_logits_mb < 0:
+            raise ValueError(f"keep_logits_mb must be >= 0, got {self.keep_logits_mb}")
         if self.moe_aux_loss_coef < 0 or self.moe_z_loss_coef < 0:
             raise ValueError(f"moe_aux_loss_coef and moe_z_loss_coef must be >= 0, got "
                              f"{self.moe_aux_loss_coef}, {self.moe_z_loss_coef}")

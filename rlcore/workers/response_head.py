@@ -32,12 +32,14 @@ class ScoreRequest:
 
 
 class ResponseHead(nn.Module):
-    def __init__(self, linear: nn.Linear, chunk_mb: float) -> None:
+    def __init__(self, linear: nn.Linear, chunk_mb: float, keep_mb: float = 0.0) -> None:
         super().__init__()
         self.weight = linear.weight  # the same Parameter objects: ties and names stay as they were
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.chunk_tokens = chunk_tokens_for(linear.out_features, chunk_mb)
+        # positions whose logits a forward keeps for its backward (token_scores: no recompute there)
+        self.keep_tokens = chunk_tokens_for(linear.out_features, keep_mb) if keep_mb > 0 else 0
         self._request: ScoreRequest | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -49,7 +51,7 @@ class ResponseHead(nn.Module):
                              f"labels {tuple(r.labels.shape)}: pass logits_to_keep=scored_positions(...) (packed: rlcore.workers.packing.response_inputs) to its forward")
         log_prob, entropy = token_log_probs_and_entropy(
             hidden, self.weight, r.labels, bias=self.bias, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-            chunk_tokens=self.chunk_tokens)
+            chunk_tokens=self.chunk_tokens, keep_tokens=self.keep_tokens)
         return torch.stack([log_prob, entropy], dim=-1)
 
     @contextmanager
@@ -63,7 +65,8 @@ class ResponseHead(nn.Module):
             self._request = None
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, chunk_tokens={self.chunk_tokens}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, chunk_tokens={self.chunk_tokens}, "
+                f"keep_tokens={self.keep_tokens}")
 
 
 def scored_positions(seq_len: int, response_len: int, device: torch.device) -> torch.Tensor:
@@ -71,8 +74,10 @@ def scored_positions(seq_len: int, response_len: int, device: torch.device) -> t
     return torch.arange(seq_len - response_len - 1, seq_len - 1, device=device)
 
 
-def install_response_head(model: nn.Module, chunk_mb: float) -> ResponseHead:
-    """Replace ``model``'s output layer (a bias-free or biased ``nn.Linear``) by a ``ResponseHead`` on its parameters."""
+def install_response_head(model: nn.Module, chunk_mb: float, keep_mb: float = 0.0) -> ResponseHead:
+    """Replace ``model``'s output layer (a bias-free or biased ``nn.Linear``) by a ``ResponseHead`` on its
+    parameters, scoring ``chunk_mb`` MiB of fp32 logits at a time and keeping up to ``keep_mb`` MiB of
+    them from a forward for its backward."""
     linear = model.get_output_embeddings()
     if isinstance(linear, ResponseHead):
         return linear
@@ -80,6 +85,6 @@ def install_response_head(model: nn.Module, chunk_mb: float) -> ResponseHead:
         raise TypeError(f"{type(model).__name__}'s output layer is a {type(linear).__name__}, not nn.Linear")
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError(f"{type(model).__name__} soft-caps its logits after the head: scoring in the head would skip that")
-    head = ResponseHead(linear, chunk_mb)
+    head = ResponseHead(linear, chunk_mb, keep_mb)
     model.set_output_embeddings(head)
     return head

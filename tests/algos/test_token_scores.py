@@ -6,6 +6,7 @@ import torch
 
 from rlcore.algos.sampling import filter_logits
 from rlcore.algos.stats import entropy_from_logits, logprobs_from_logits
+from rlcore.algos import token_scores
 from rlcore.algos.token_scores import chunk_tokens_for, token_log_probs_and_entropy
 
 
@@ -98,3 +99,50 @@ def test_gradient_when_the_loss_reads_one_output_only(used, top_k):
     grads = torch.autograd.grad((out * coef.float()).sum(), (hidden, weight))
     for got, want in zip(grads, ref_grads):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("top_k,entropy_coef", [(0, 0.0), (0, 0.3), (5, 0.3)])
+def test_logits_kept_for_the_backward_give_the_recomputed_gradients_bit_for_bit(top_k, entropy_coef):
+    """``keep_tokens``: the first whole chunks' logits are kept from the forward and the backward works on
+    them instead of recomputing them (here 2 of the 3 chunks of 8 positions kept, the third recomputed);
+    the gradients are those of recomputing every chunk exactly. A second backward (retain_graph) has
+    nothing kept any more and recomputes: still the same."""
+    g = torch.Generator(torch.get_default_device()).manual_seed(2)
+    hidden = torch.randn(20, 16, generator=g, requires_grad=True)
+    weight = torch.randn(300, 16, generator=g, requires_grad=True)
+    labels = torch.randint(0, 300, (20,), generator=g)
+    coef = torch.randn(20, generator=g)
+
+    def grads(keep, twice=False):
+        lp, ent = token_log_probs_and_entropy(hidden, weight, labels, temperature=0.7, top_k=top_k, chunk_tokens=8,
+                                              keep_tokens=keep)
+        loss = (lp * coef).sum() + entropy_coef * ent.sum() if entropy_coef else (lp * coef).sum()
+        first = torch.autograd.grad(loss, (hidden, weight), retain_graph=twice)
+        return (lp, ent, *first), (torch.autograd.grad(loss, (hidden, weight)) if twice else None)
+
+    ref, _ = grads(0)
+    kept, again = grads(17, twice=True)  # 17 positions: chunks [0, 8) and [8, 16) kept, [16, 20) recomputed
+    for got, want in zip(kept, ref):
+        assert torch.equal(got, want)
+    for got, want in zip(again, ref[2:]):
+        assert torch.equal(got, want)
+
+
+def test_kept_logits_are_what_the_forward_holds_until_its_backward(monkeypatch):
+    """The memory it costs: the kept chunks (and only where a backward can follow), freed by the backward."""
+    hidden = torch.randn(24, 16, requires_grad=True)
+    weight = torch.randn(100, 16, requires_grad=True)
+    labels = torch.randint(0, 100, (24,))
+    lp, _ = token_log_probs_and_entropy(hidden, weight, labels, chunk_tokens=8, keep_tokens=16)
+    node = lp.grad_fn.next_functions[0][0]  # the reshape's input: the chunked scores' node
+    assert [tuple(z.shape) for z in node.kept] == [(8, 100), (8, 100)]
+    lp.sum().backward()
+    assert node.kept == [] and hidden.grad is not None
+    asked = []
+    apply = token_scores._ChunkScores.apply
+    monkeypatch.setattr(token_scores._ChunkScores, "apply", lambda *args: asked.append(args[-1]) or apply(*args))
+    with torch.no_grad():
+        token_log_probs_and_entropy(hidden, weight, labels, chunk_tokens=8, keep_tokens=16)
+    token_log_probs_and_entropy(hidden.detach(), weight.detach(), labels, chunk_tokens=8, keep_tokens=16)
+    token_log_probs_and_entropy(hidden.detach(), weight, labels, chunk_tokens=8, keep_tokens=16)
+    assert asked == [0, 0, 16]  # no backward can follow the first two: nothing kept

@@ -1,4 +1,5 @@
-"""The 8 GB laptop preset is the SmolLM2 preset with gradient checkpointing, and nothing else."""
+"""The 8 GB laptop preset is the SmolLM2 preset with gradient checkpointing and no logits kept for the backward,
+and nothing else: both trade time for memory."""
 
 from pathlib import Path
 
@@ -17,13 +18,14 @@ def _flat(cfg, prefix=""):
     return out
 
 
-def test_the_laptop_preset_is_the_smollm2_preset_with_gradient_checkpointing():
+def test_the_laptop_preset_is_the_smollm2_preset_with_gradient_checkpointing_and_no_kept_logits():
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         laptop = compose("grpo", overrides=["+preset=smollm2_laptop"])
         preset = compose("grpo", overrides=["+preset=smollm2"])
         overridden = compose("grpo", overrides=["+preset=smollm2_laptop", "model.gradient_checkpointing=false"])
     a, b = _flat(OmegaConf.to_container(laptop)), _flat(OmegaConf.to_container(preset))
-    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"model.gradient_checkpointing"}
+    assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == {"model.gradient_checkpointing", "actor.keep_logits_mb"}
+    assert a["actor.keep_logits_mb"] == 0  # the head recomputes its logits (actor.keep_logits_mb: 128 MiB kept by default)
     assert a["model.gradient_checkpointing"] is True and b["model.gradient_checkpointing"] is False
     assert a["trainer.release_memory"] is True  # the heap and the idle KV cache handed back: its peak counts on it
     assert overridden.model.gradient_checkpointing is False  # overrides after it still win
