@@ -111,12 +111,14 @@ def test_packed_attention_takes_the_lean_rows_only_where_they_apply():
     assert type(eager.grad_fn).__name__ != "FlashRowsBackward"
 
 
-def test_a_bf16_update_with_lean_rows_equals_the_plain_one(tiny_model_dir, make_batch, monkeypatch):
-    """The tiny model in bf16 (fp32 weights), shared prompts packed: one AdamW update leaves exactly
-    the weights the plain rows leave, with the same loss and gradient norm."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_bf16_update_with_lean_rows_equals_the_plain_one(checkpointing, tiny_model_dir, make_batch, monkeypatch):
+    """The tiny model in bf16 (fp32 weights), shared prompts packed, with and without gradient
+    checkpointing (the lean rows run again in its recompute): one AdamW update leaves exactly the
+    weights the plain rows leave, with the same loss and gradient norm."""
     data = make_batch(prompt_lens=(5, 5, 3, 5), response_lens=(6, 2, 5, 4), prompt_width=5, response_width=6)
     data.batch["input_ids"][[1, 3], :5] = data.batch["input_ids"][0, :5]  # rows 0, 1, 3 share a prompt
-    config = {"model": {"path": tiny_model_dir, "mixed_precision": "bfloat16"},
+    config = {"model": {"path": tiny_model_dir, "mixed_precision": "bfloat16", "gradient_checkpointing": checkpointing},
               "actor": {"lr": 1e-3, "ppo_micro_batch_size_per_gpu": 4, "skip_zero_advantage_rows": False}}
     results, used, applies = {}, [], rows_attention.applies
     for side in ("lean", "plain"):
