@@ -8,20 +8,9 @@ import torch
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers import rows_attention
 from rlcore.workers.actor import ActorWorker
+from row_layouts import shared_layout
 from rlcore.workers.packing import (ROWS_KEYWORD, RowLayout, _layout_from_cu, _rows, _sdpa, _sdpa_fp32,
                                     packed_attention, packed_eager_attention)
-
-
-def shared_layout() -> tuple[RowLayout, int]:
-    """A prompt of 3 tokens read by two rows (responses of 2 and 4), then a row of 2 alone: 11 tokens
-    packed, 3 rows of 7 positions (the prompt twice, fill behind the shorter rows)."""
-    n = 11
-    rows = [[0, 1, 2, 3, 4], [0, 1, 2, 5, 6, 7, 8], [9, 10]]
-    source = torch.full((3, 7), n)
-    for r, ix in enumerate(rows):
-        source[r, :len(ix)] = torch.tensor(ix)
-    take = torch.tensor([0, 1, 2, 3, 4, 7 + 3, 7 + 4, 7 + 5, 7 + 6, 14, 15])
-    return RowLayout(source=source.flatten(), take=take, rows=3, max_len=7), n
 
 
 def contiguous_layout() -> tuple[RowLayout, int]:

@@ -13,6 +13,7 @@ from rlcore.workers import packing, shared_varlen
 from rlcore.workers.packing import ROWS_KEYWORD, pack, packed_attention
 from rlcore.workers.shared_varlen import (ROWS_EAGER, ROWS_SDPA, SHARED_VARLEN, choose_kernel, planned_kernel,
                                           reference_varlen_attn, shared_varlen_attention, varlen_index)
+from row_layouts import shared_layout
 
 
 class _Attn(torch.nn.Module):
@@ -45,20 +46,15 @@ def test_the_varlen_index_by_hand():
     """A prompt of 3 tokens (pack 0-2) held by a row with a response of 2 (3, 4), borrowed by a row
     with a response of 4 (5-8), then a row of 2 alone (9, 10): queries are the pack's tokens cut per
     row as stored, keys each row's whole sequence, the borrowed prompt read from its one copy."""
-    n = 11
-    rows = [[0, 1, 2, 3, 4], [0, 1, 2, 5, 6, 7, 8], [9, 10]]
-    source = torch.full((3, 7), n)
-    for r, ix in enumerate(rows):
-        source[r, :len(ix)] = torch.tensor(ix)
-    take = torch.tensor([0, 1, 2, 3, 4, 7 + 3, 7 + 4, 7 + 5, 7 + 6, 14, 15])
-    index = varlen_index(source.flatten(), take, rows=3, max_len=7)
+    layout, _ = shared_layout()  # row_layouts.py: that layout written out by hand
+    index = varlen_index(layout.source, layout.take, rows=layout.rows, max_len=layout.max_len)
     assert index.kv_source.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 5, 6, 7, 8, 9, 10]
     assert index.cu_q.tolist() == [0, 5, 9, 11] and index.cu_k.tolist() == [0, 5, 12, 14]
     assert (index.max_q, index.max_k) == (5, 7) and index.cu_q.dtype == torch.int32
-    bad = take.clone()
+    bad = layout.take.clone()
     bad[5] = 7 + 2  # row 1's first stored token placed over its prompt: not the tail of its sequence
     with pytest.raises(ValueError, match="not the tail"):
-        varlen_index(source.flatten(), bad, rows=3, max_len=7)
+        varlen_index(layout.source, bad, rows=3, max_len=7)
 
 
 def whole_rows(q, k, v, packed):
