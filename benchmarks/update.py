@@ -132,7 +132,6 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
-    from rlcore.algos.token_scores import chunk_tokens_for
     from rlcore.models.gguf import resolve_model_path
 
     args.model = resolve_model_path(args.model)
@@ -151,7 +150,7 @@ def main() -> None:
     for i in range(args.repeats + 1):
         side = sides[(i - 1) % len(sides)] if i else sides[0]
         if side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
-            worker.head.keep_tokens = chunk_tokens_for(model_config.vocab_size, side) if side > 0 else 0
+            worker.head.keep_logits(side)
         start = time.perf_counter()
         metrics = actor.update_policy(batch)[0]
         seconds = time.perf_counter() - start

@@ -38,9 +38,13 @@ class ResponseHead(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.chunk_tokens = chunk_tokens_for(linear.out_features, chunk_mb)
-        # positions whose logits a forward keeps for its backward (token_scores: no recompute there)
-        self.keep_tokens = chunk_tokens_for(linear.out_features, keep_mb) if keep_mb > 0 else 0
+        self.keep_logits(keep_mb)
         self._request: ScoreRequest | None = None
+
+    def keep_logits(self, mb: float) -> None:
+        """Keep up to ``mb`` MiB of a forward's fp32 logits for its backward (token_scores: no recompute
+        there; 0: none), as positions: ``keep_tokens``."""
+        self.keep_tokens = chunk_tokens_for(self.out_features, mb) if mb > 0 else 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._request is None:
