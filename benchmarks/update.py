@@ -23,6 +23,7 @@ survives a machine others load). Timing is reported, never asserted.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import time
@@ -62,6 +63,16 @@ def build_batch(tok, prompts: int, n: int, new_tokens: int, task: str, vocab: in
          "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "responses": responses,
          "response_mask": response_mask, "advantages": advantages.expand(rows, new_tokens).contiguous()},
         {"uid": np.repeat(np.arange(prompts).astype(str), n).astype(object)})
+
+
+def huge_page_counts() -> dict[str, int]:
+    """The kernel's huge-page and compaction counters (/proc/vmstat; the whole machine's, not this process's)."""
+    try:
+        with open("/proc/vmstat") as f:
+            pairs = (line.split() for line in f)
+            return {k: int(v) for k, v in pairs if k in ("thp_fault_alloc", "thp_fault_fallback", "compact_stall")}
+    except OSError:
+        return {}
 
 
 def packed_tokens(batch, ix) -> int:
@@ -183,18 +194,19 @@ def main() -> None:
         side = sides[(i - 1) % len(sides)] if i else sides[0]
         if side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
             worker.head.keep_logits(side)
-        before = resource.getrusage(resource.RUSAGE_SELF)
+        before, vm_before = resource.getrusage(resource.RUSAGE_SELF), huge_page_counts()
         start = time.perf_counter()
         metrics = actor.update_policy(batch)[0]
         seconds = time.perf_counter() - start
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        after, vm = resource.getrusage(resource.RUSAGE_SELF), huge_page_counts()
         if i:
             times[side].append(seconds)
         label = " (warm-up)" if i == 0 else ("" if side is None else f" keep_logits_mb={side:g}")
         print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}, "
               f"shared_prompt_frac {metrics.get('actor/shared_prompt_frac', 0):.3f}; CPU user {after.ru_utime - before.ru_utime:.1f} s, "
-              f"system {after.ru_stime - before.ru_stime:.1f} s, minor page faults {after.ru_minflt - before.ru_minflt}",
+              f"system {after.ru_stime - before.ru_stime:.1f} s, minor page faults {after.ru_minflt - before.ru_minflt}, "
+              f"machine's {', '.join(f'{k} +{vm[k] - vm_before[k]}' for k in vm)}",
               flush=True)
     for side, ts in times.items():
         if ts:
@@ -202,6 +214,8 @@ def main() -> None:
             label = "" if side is None else f"keep_logits_mb={side:g}: "
             print(f"{label}median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} "
                   f"(best {mfu(flops, best, peak):.1%})")
+    print(f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB; "
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
