@@ -3,17 +3,23 @@
     python -m benchmarks.update [--model smollm2] [--repeats 3] [--micro-batch 16] [--token-budget N]
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
+    python -m benchmarks.update --trained-groups 6 --token-budget 4096   # as the recipes run it (below)
 
 The rows are those of ``benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16
 --n 8 --new-tokens 32 --micro-batch 16``: the task's 16 chat prompts, left-padded, each repeated n times
 in group order, with n responses of exactly ``--new-tokens`` random tokens (the update's cost does not
-depend on which tokens were sampled) and non-zero GRPO advantages, so every row is trained. Built as the
+depend on which tokens were sampled) and non-zero GRPO advantages, so every row is trained; with
+``--trained-groups K`` only K groups have non-zero advantages and the update skips the other rows
+(``actor.skip_zero_advantage_rows``: grpo_vs_trl's ``--skip-zero-advantage-rows``, whose SmolLM2 steps
+trained 5-7 of 16 groups), with ``--token-budget 4096`` packed as the recipes pack. Built as the
 benchmark builds rlcore's actor (``ActorWorker`` in this process, one optimizer step per update, fp32
 unless ``--train-dtype bfloat16``), without the engine: a few minutes instead of a whole GRPO run.
 
-Reports each update's seconds (the first is warm-up), the useful FLOPs (``benchmarks/machine_limit.py``:
-each group's prompt once, each response token once, training as 3 forwards) and their share of the
-fp32 (or bf16) matmul peak measured in the same process. ``--profile`` runs one more update under
+Reports the micro-batches (rows, prompt groups, tokens as packed), each update's seconds (the first is
+warm-up), CPU user and system seconds and minor page faults (fresh memory the kernel zeroes), the useful
+FLOPs (``benchmarks.grpo_vs_trl.useful_flops``: the trained rows, each group's prompt once, each response
+token once, training as 3 forwards) and their share of the fp32 (or bf16) matmul peak measured in the
+same process, and the process's peak RSS. ``--profile`` runs one more update under
 ``torch.profiler`` (CPU, shapes recorded) and prints its operators by self time, grouped by name and
 shapes, and the split into matmuls, attention, copies, index ops, the optimizer, elementwise work and
 bookkeeping, both as run and counting each group's fastest call (``profile_split``: the estimate that
@@ -177,7 +183,8 @@ def main() -> None:
     actor, worker = build_actor(args)
     # counted as grpo_vs_trl counts its update: the rows trained, each group's prompt once
     flops = useful_flops(ModelShape.from_config(model_config), batch, args.trained_groups is not None)["update"]
-    kept = (batch.batch["advantages"] != 0).any(-1) if args.trained_groups is not None else torch.ones(len(batch), dtype=torch.bool)
+    kept = (batch.batch["advantages"] != 0).any(-1)  # every row unless --trained-groups
+    kept = kept if args.trained_groups is not None else torch.ones_like(kept)
     prompt_len = float(batch.batch["attention_mask"][kept, :-args.new_tokens].sum(1).float().mean())
     peak = matmul_peak("fp32" if args.train_dtype == "fp32" else "bf16")
     print(f"torch threads {torch.get_num_threads()}, {torch.backends.cpu.get_cpu_capability()}; "
@@ -186,7 +193,7 @@ def main() -> None:
     rows_with_grad = worker._rows_with_grad() if args.trained_groups is not None else None
     micro = [ix for ix, counts in worker.trained_micro_batches(batch, rows_with_grad) if counts]
     uids = batch.non_tensor_batch["uid"]
-    print(f"micro-batches (rows, groups, tokens as packed): " + ", ".join(
+    print("micro-batches (rows, groups, tokens as packed): " + ", ".join(
         f"({len(ix)}, {len(set(uids[ix]))}, {packed_tokens(batch, ix)})" for ix in micro))
     sides = args.keep_logits_mb or [None]
     times: dict = {side: [] for side in sides}
@@ -204,7 +211,8 @@ def main() -> None:
         label = " (warm-up)" if i == 0 else ("" if side is None else f" keep_logits_mb={side:g}")
         print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}, "
-              f"shared_prompt_frac {metrics.get('actor/shared_prompt_frac', 0):.3f}; CPU user {after.ru_utime - before.ru_utime:.1f} s, "
+              f"shared_prompt_frac {metrics.get('actor/shared_prompt_frac', 0):.3f}; "
+              f"CPU user {after.ru_utime - before.ru_utime:.1f} s, "
               f"system {after.ru_stime - before.ru_stime:.1f} s, minor page faults {after.ru_minflt - before.ru_minflt}, "
               f"machine's {', '.join(f'{k} +{vm[k] - vm_before[k]}' for k in vm)}",
               flush=True)
