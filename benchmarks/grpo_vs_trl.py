@@ -45,6 +45,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -153,12 +154,18 @@ def run_rlcore(args) -> dict:
              for i, e in enumerate(examples)]
     tensors, non_tensors = collate_prompts(items, tok.pad_token_id)
     step_times, rewards, stages, trained, shared, flops = [], [], {}, [], [], {"generate": [], "update": []}
+    faults, system, user = {}, {}, {}
     shape = ModelShape.from_config(AutoConfig.from_pretrained(args.model))
 
     def timed(stage, fn, *a):
+        before = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
         out = fn(*a)
         stages.setdefault(stage, []).append(time.perf_counter() - start)
+        after = resource.getrusage(resource.RUSAGE_SELF)  # the kernel's share: page faults (fresh memory) and system time
+        faults.setdefault(stage, []).append(after.ru_minflt - before.ru_minflt)
+        system.setdefault(stage, []).append(round(after.ru_stime - before.ru_stime, 3))
+        user.setdefault(stage, []).append(round(after.ru_utime - before.ru_utime, 3))
         return out
 
     for _ in range(args.steps):
@@ -182,7 +189,8 @@ def run_rlcore(args) -> dict:
     assert args.free_length or int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
     return {"step_s": step_times, "reward": rewards, "torch_threads": threads, "stages_s": stages,
             "trained_rows_frac": trained, "shared_prompt_frac": shared, "train_dtype": train_dtype,
-            "sample_dtype": rollout_dtype, "flops": flops}
+            "sample_dtype": rollout_dtype, "flops": flops, "minor_faults": faults, "system_s": system,
+            "user_s": user}
 
 
 def run_trl(args) -> dict:
@@ -434,6 +442,9 @@ def main() -> None:
         limits[side] = stage_limits(r, stages, step[side], peak, results)
         for stage, (flops, share) in limits[side].items():
             print(f"  {side:12s} {stage}: {flops / 1e9:.1f} GFLOP useful, {share:.0%} of the {dtype_of(r, stage)} peak")
+        if "minor_faults" in r:
+            print(f"  {side:12s} per stage and step: minor page faults {r['minor_faults']}, CPU seconds user "
+                  f"{r['user_s']}, system {r['system_s']}")
         if "trained_rows_frac" in r:
             print(f"  {side:12s} rows trained per step {[round(f, 2) for f in r['trained_rows_frac'][:10]]}, "
                   f"share of their tokens held once as shared prompts {[round(f, 2) for f in r['shared_prompt_frac'][:10]]}")

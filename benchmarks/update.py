@@ -3,17 +3,23 @@
     python -m benchmarks.update [--model smollm2] [--repeats 3] [--micro-batch 16] [--token-budget N]
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
+    python -m benchmarks.update --trained-groups 6 --token-budget 4096   # as the recipes run it (below)
 
 The rows are those of ``benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16
 --n 8 --new-tokens 32 --micro-batch 16``: the task's 16 chat prompts, left-padded, each repeated n times
 in group order, with n responses of exactly ``--new-tokens`` random tokens (the update's cost does not
-depend on which tokens were sampled) and non-zero GRPO advantages, so every row is trained. Built as the
+depend on which tokens were sampled) and non-zero GRPO advantages, so every row is trained; with
+``--trained-groups K`` only K groups have non-zero advantages and the update skips the other rows
+(``actor.skip_zero_advantage_rows``: grpo_vs_trl's ``--skip-zero-advantage-rows``, whose SmolLM2 steps
+trained 5-7 of 16 groups), with ``--token-budget 4096`` packed as the recipes pack. Built as the
 benchmark builds rlcore's actor (``ActorWorker`` in this process, one optimizer step per update, fp32
 unless ``--train-dtype bfloat16``), without the engine: a few minutes instead of a whole GRPO run.
 
-Reports each update's seconds (the first is warm-up), the useful FLOPs (``benchmarks/machine_limit.py``:
-each group's prompt once, each response token once, training as 3 forwards) and their share of the
-fp32 (or bf16) matmul peak measured in the same process. ``--profile`` runs one more update under
+Reports the micro-batches (rows, prompt groups, tokens as packed), each update's seconds (the first is
+warm-up), CPU user and system seconds and minor page faults (fresh memory the kernel zeroes), the useful
+FLOPs (``benchmarks.grpo_vs_trl.useful_flops``: the trained rows, each group's prompt once, each response
+token once, training as 3 forwards) and their share of the fp32 (or bf16) matmul peak measured in the
+same process, and the process's peak RSS. ``--profile`` runs one more update under
 ``torch.profiler`` (CPU, shapes recorded) and prints its operators by self time, grouped by name and
 shapes, and the split into matmuls, attention, copies, index ops, the optimizer, elementwise work and
 bookkeeping, both as run and counting each group's fastest call (``profile_split``: the estimate that
@@ -23,6 +29,8 @@ survives a machine others load). Timing is reported, never asserted.
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import time
 
@@ -30,8 +38,12 @@ import numpy as np
 import torch
 
 
-def build_batch(tok, prompts: int, n: int, new_tokens: int, task: str, vocab: int, seed: int = 0):
-    """The rollout-layout batch of one every-row GRPO step: prompts x n rows, group after group."""
+def build_batch(tok, prompts: int, n: int, new_tokens: int, task: str, vocab: int, seed: int = 0,
+                trained_groups: int | None = None):
+    """The rollout-layout batch of one GRPO step: prompts x n rows, group after group. Every group's
+    advantages are non-zero, or (``trained_groups``) only those of that many groups spread over the
+    batch, the others' all zero: a binary reward (final_number) gives a group whose samples all score
+    alike a zero advantage on every row, and a mixed group a non-zero one on every row."""
     from benchmarks.grpo_vs_trl import make_prompts, prompt_ids
     from rlcore.data.dataset import collate_prompts
     from rlcore.protocol import DataProto
@@ -46,12 +58,35 @@ def build_batch(tok, prompts: int, n: int, new_tokens: int, task: str, vocab: in
     response_mask = torch.ones_like(responses)
     attention_mask = torch.cat([prompt_mask, response_mask], 1)
     advantages = torch.randn(prompts, n, generator=gen)
-    advantages = ((advantages - advantages.mean(1, keepdim=True)) / advantages.std(1, keepdim=True)).reshape(rows, 1)
+    advantages = (advantages - advantages.mean(1, keepdim=True)) / advantages.std(1, keepdim=True)
+    if trained_groups is not None:
+        mixed = torch.zeros(prompts, dtype=torch.bool)
+        mixed[torch.linspace(0, prompts - 1, trained_groups).round().long()] = True
+        advantages[~mixed] = 0.0
+    advantages = advantages.reshape(rows, 1)
     return DataProto.from_dict(
         {"input_ids": torch.cat([prompt_ids_, responses], 1), "attention_mask": attention_mask,
          "position_ids": (attention_mask.cumsum(1) - 1).clamp(min=0), "responses": responses,
          "response_mask": response_mask, "advantages": advantages.expand(rows, new_tokens).contiguous()},
         {"uid": np.repeat(np.arange(prompts).astype(str), n).astype(object)})
+
+
+def huge_page_counts() -> dict[str, int]:
+    """The kernel's huge-page and compaction counters (/proc/vmstat; the whole machine's, not this process's)."""
+    try:
+        with open("/proc/vmstat") as f:
+            pairs = (line.split() for line in f)
+            return {k: int(v) for k, v in pairs if k in ("thp_fault_alloc", "thp_fault_fallback", "compact_stall")}
+    except OSError:
+        return {}
+
+
+def packed_tokens(batch, ix) -> int:
+    """The tokens a shared-prompt pack of rows ``ix`` holds: their valid tokens less the borrowed prompts."""
+    from rlcore.workers.packing import borrowed_prompt_tokens
+
+    rows = batch[ix].batch
+    return int(rows["attention_mask"].sum()) - borrowed_prompt_tokens(rows)
 
 
 def build_actor(args):
@@ -64,7 +99,8 @@ def build_actor(args):
                   "pack_shared_prompts": args.shared_prompts},
         "actor": {"lr": 1e-5, "weight_decay": 0.0, "ppo_mini_batch_size": rows,
                   "ppo_micro_batch_size_per_gpu": args.micro_batch, "use_dynamic_bsz": bool(args.token_budget),
-                  "ppo_max_token_len_per_gpu": args.token_budget or 16384},
+                  "ppo_max_token_len_per_gpu": args.token_budget or 16384,
+                  "skip_zero_advantage_rows": args.trained_groups is not None},
     }
     if getattr(args, "keep_logits_mb", None):
         config["actor"]["keep_logits_mb"] = args.keep_logits_mb[0]
@@ -120,6 +156,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--micro-batch", type=int, default=16)
     parser.add_argument("--token-budget", type=int, default=None)
+    parser.add_argument("--trained-groups", type=int, default=None,
+                        help="as the recipes run it: only this many groups have non-zero advantages, and the update "
+                             "skips the others' rows (actor.skip_zero_advantage_rows); grpo_vs_trl's as-run steps "
+                             "trained 5-7 of 16")
     parser.add_argument("--train-dtype", default="fp32", choices=["fp32", "bfloat16"])
     parser.add_argument("--shared-prompts", default=True, action=argparse.BooleanOptionalAction)
     parser.add_argument("--keep-logits-mb", type=lambda v: [float(x) for x in v.split(",")], default=None,
@@ -131,40 +171,59 @@ def main() -> None:
 
     from transformers import AutoConfig, AutoTokenizer
 
+    from benchmarks.grpo_vs_trl import useful_flops
     from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
     from rlcore.models.gguf import resolve_model_path
 
     args.model = resolve_model_path(args.model)
     tok = AutoTokenizer.from_pretrained(args.model)
     model_config = AutoConfig.from_pretrained(args.model)
-    batch = build_batch(tok, args.prompts, args.n, args.new_tokens, args.task, model_config.vocab_size)
+    batch = build_batch(tok, args.prompts, args.n, args.new_tokens, args.task, model_config.vocab_size,
+                        trained_groups=args.trained_groups)
     actor, worker = build_actor(args)
-    prompt_len = float(batch.batch["attention_mask"][:, :-args.new_tokens].sum(1).float().mean())
-    flops = ModelShape.from_config(model_config).training_flops(prompt_len, args.prompts, len(batch), args.new_tokens)
+    # counted as grpo_vs_trl counts its update: the rows trained, each group's prompt once
+    flops = useful_flops(ModelShape.from_config(model_config), batch, args.trained_groups is not None)["update"]
+    kept = (batch.batch["advantages"] != 0).any(-1)  # every row unless --trained-groups
+    kept = kept if args.trained_groups is not None else torch.ones_like(kept)
+    prompt_len = float(batch.batch["attention_mask"][kept, :-args.new_tokens].sum(1).float().mean())
     peak = matmul_peak("fp32" if args.train_dtype == "fp32" else "bf16")
     print(f"torch threads {torch.get_num_threads()}, {torch.backends.cpu.get_cpu_capability()}; "
           f"{args.train_dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; update {flops / 1e12:.2f} TFLOP useful "
-          f"({len(batch)} rows, prompt {prompt_len:.1f} tokens, {args.new_tokens} new)")
+          f"({int(kept.sum())} of {len(batch)} rows trained, prompt {prompt_len:.1f} tokens, {args.new_tokens} new)")
+    rows_with_grad = worker._rows_with_grad() if args.trained_groups is not None else None
+    micro = [ix for ix, counts in worker.trained_micro_batches(batch, rows_with_grad) if counts]
+    uids = batch.non_tensor_batch["uid"]
+    print("micro-batches (rows, groups, tokens as packed): " + ", ".join(
+        f"({len(ix)}, {len(set(uids[ix]))}, {packed_tokens(batch, ix)})" for ix in micro))
     sides = args.keep_logits_mb or [None]
     times: dict = {side: [] for side in sides}
     for i in range(args.repeats + 1):
         side = sides[(i - 1) % len(sides)] if i else sides[0]
         if side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
             worker.head.keep_logits(side)
+        before, vm_before = resource.getrusage(resource.RUSAGE_SELF), huge_page_counts()
         start = time.perf_counter()
         metrics = actor.update_policy(batch)[0]
         seconds = time.perf_counter() - start
+        after, vm = resource.getrusage(resource.RUSAGE_SELF), huge_page_counts()
         if i:
             times[side].append(seconds)
         label = " (warm-up)" if i == 0 else ("" if side is None else f" keep_logits_mb={side:g}")
         print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
-              f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}", flush=True)
+              f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}, "
+              f"shared_prompt_frac {metrics.get('actor/shared_prompt_frac', 0):.3f}; "
+              f"CPU user {after.ru_utime - before.ru_utime:.1f} s, "
+              f"system {after.ru_stime - before.ru_stime:.1f} s, minor page faults {after.ru_minflt - before.ru_minflt}, "
+              f"machine's {', '.join(f'{k} +{vm[k] - vm_before[k]}' for k in vm)}",
+              flush=True)
     for side, ts in times.items():
         if ts:
             best, med = min(ts), statistics.median(ts)
             label = "" if side is None else f"keep_logits_mb={side:g}: "
             print(f"{label}median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} "
                   f"(best {mfu(flops, best, peak):.1%})")
+    print(f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB; "
+          f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -62,3 +62,27 @@ def test_matmul_peak_is_a_rate_per_dtype():
 
     assert matmul_peak("float32", size=64, seconds=0.01) > 0
     assert matmul_peak("bf16", size=64, seconds=0.01) > 0
+
+
+def test_useful_flops_of_the_as_run_update_count_the_trained_groups_prompts_once():
+    """grpo_vs_trl's as-run update (zero-advantage rows skipped) is credited with the trained rows only,
+    each trained group's prompt once: 2 groups of 2 rows, prompts of 3 and 5 tokens, responses of 2;
+    the second group's advantages are zero, so its rows (and its prompt) earn nothing."""
+    import numpy as np
+    import torch
+
+    from benchmarks.grpo_vs_trl import useful_flops
+    from benchmarks.machine_limit import ModelShape
+    from rlcore.protocol import DataProto
+
+    shape = ModelShape(matmul_params=1000, layers=2, attention_width=8)
+    attention_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1],
+                                   [1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    batch = DataProto.from_dict({"attention_mask": attention_mask, "response_mask": torch.ones(4, 2),
+                                 "advantages": torch.tensor([[0.7, 0.7], [-0.7, -0.7], [0.0, 0.0], [0.0, 0.0]])},
+                                {"uid": np.array(["a", "a", "b", "b"], dtype=object)})
+    as_run = useful_flops(shape, batch, skip_zero_advantage_rows=True)
+    assert as_run["update"] == shape.training_flops(3, 1, 2, 2)  # one prompt of 3 tokens, two responses of 2
+    every_row = useful_flops(shape, batch, skip_zero_advantage_rows=False)
+    assert every_row["update"] == shape.training_flops(4, 2, 4, 2)  # both prompts (mean 4 tokens), four responses
+    assert as_run["generate"] == every_row["generate"] == shape.sampling_flops(4, 2, 4, 2)
