@@ -3,6 +3,7 @@
     python -m benchmarks.update [--model smollm2] [--repeats 3] [--micro-batch 16] [--token-budget N]
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
+    python -m benchmarks.update --release-memory 0,1 --repeats 4    # A/B of trainer.release_memory's heap trims
 
 The rows are those of ``benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16
 --n 8 --new-tokens 32 --micro-batch 16``: the task's 16 chat prompts, left-padded, each repeated n times
@@ -74,6 +75,15 @@ def build_actor(args):
     return actor, group.worker(0, "actor")
 
 
+def set_release_memory(worker, on: bool) -> None:
+    """``trainer.release_memory`` on the actor worker between updates: its backward's heap trims hooked or not."""
+    worker.release_memory = on
+    if not on and worker._backward_trims:
+        for handle in worker._backward_trims:
+            handle.remove()
+        worker._backward_trims = None
+
+
 KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
          ("attention (SDPA)", ("scaled_dot_product",)),
          ("copies (copy_, cat, fill_)", ("aten::copy_", "aten::cat", "aten::fill_", "aten::zero_")),
@@ -124,6 +134,9 @@ def main() -> None:
     parser.add_argument("--shared-prompts", default=True, action=argparse.BooleanOptionalAction)
     parser.add_argument("--keep-logits-mb", type=lambda v: [float(x) for x in v.split(",")], default=None,
                         help="actor.keep_logits_mb; several (comma-separated): the timed updates alternate between them")
+    parser.add_argument("--release-memory", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
+                        help="A/B of trainer.release_memory (the heap trimmed between the backward's layers and after "
+                             "the update), alternating: e.g. 0,1")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=30)
@@ -145,24 +158,31 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, {torch.backends.cpu.get_cpu_capability()}; "
           f"{args.train_dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; update {flops / 1e12:.2f} TFLOP useful "
           f"({len(batch)} rows, prompt {prompt_len:.1f} tokens, {args.new_tokens} new)")
-    sides = args.keep_logits_mb or [None]
+    sides = args.keep_logits_mb or args.release_memory or [None]
+    knob = "release_memory" if args.release_memory else "keep_logits_mb"
     times: dict = {side: [] for side in sides}
-    for i in range(args.repeats + 1):
-        side = sides[(i - 1) % len(sides)] if i else sides[0]
-        if side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
+    cpu: dict = {side: [] for side in sides}
+    for i in range(args.repeats + 1 + (len(sides) - 1 if args.release_memory else 0)):  # each side warmed up
+        side = sides[i % len(sides)] if args.release_memory else (sides[(i - 1) % len(sides)] if i else sides[0])
+        if args.release_memory:
+            set_release_memory(worker, side)
+        elif side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
             worker.head.keep_logits(side)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         metrics = actor.update_policy(batch)[0]
-        seconds = time.perf_counter() - start
-        if i:
+        seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        warm = i < (len(sides) if args.release_memory else 1)
+        if not warm:
             times[side].append(seconds)
-        label = " (warm-up)" if i == 0 else ("" if side is None else f" keep_logits_mb={side:g}")
-        print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
+            cpu[side].append(cpu_s)
+        label = " (warm-up)" if warm else ""
+        label += "" if side is None else f" {knob}={side:g}"
+        print(f"update {i}{label}: {seconds:.2f} s ({cpu_s:.2f} s CPU), MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}", flush=True)
     for side, ts in times.items():
         if ts:
             best, med = min(ts), statistics.median(ts)
-            label = "" if side is None else f"keep_logits_mb={side:g}: "
+            label = "" if side is None else f"{knob}={side:g} (CPU median {statistics.median(cpu[side]):.2f} s): "
             print(f"{label}median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} "
                   f"(best {mfu(flops, best, peak):.1%})")
     if args.profile:

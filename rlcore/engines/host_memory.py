@@ -14,7 +14,12 @@ two generations: its blocks are zeroed when handed to a request, and the prefix 
 read old blocks is reset with it) handed back to the kernel; they read as zeros afterwards and are
 faulted in again on the next write, as they were when the cache was allocated (``torch.zeros``).
 
-Linux with glibc only; elsewhere both do nothing and say so (``False``).
+``trim_in_backward``: the same trim between the layers of a backward. An update's backward frees
+each layer's kept activations as it goes while the gradients and the backward's own temporaries
+are allocated; glibc places many of those in fresh pages rather than the freed, fragmented blocks,
+so the process grew ~0.4 GiB through the backward at SmolLM2 (docs/real_models.md, "Memory").
+
+Linux with glibc only; elsewhere these do nothing and say so (``False``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import mmap
 import sys
 
 import torch
+from torch import nn
 
 MADV_DONTNEED = 4  # linux/mman.h
 _libc = None
@@ -71,3 +77,24 @@ def release_pages(tensor: torch.Tensor) -> int:
     if libc.madvise(ctypes.c_void_p(first), last - first, MADV_DONTNEED) != 0:
         raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {last - first} bytes failed")
     return last - first
+
+
+def trim_in_backward(layers: list[nn.Module]) -> list:
+    """``trim_heap`` each time a backward reaches one of ``layers`` (a model's decoder layers): a hook on each layer's output, added by every forward that records a graph (not those
+    under ``no_grad``), fires as that output's gradient is ready, just before the layer's own
+    backward, once the layers above have freed what they kept. A checkpointed layer's forward run
+    again in the backward adds none (only the first forward's output is in the graph). Returns
+    the hooks' handles; none off glibc."""
+    if _glibc() is None:
+        return []
+    return [layer.register_forward_hook(_hook_output) for layer in layers]
+
+
+def _hook_output(module: nn.Module, args, output) -> None:
+    tensor = output[0] if isinstance(output, (tuple, list)) else output
+    if torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        tensor.register_hook(_trim_on_grad)
+
+
+def _trim_on_grad(grad: torch.Tensor) -> None:
+    trim_heap()

@@ -68,3 +68,43 @@ def test_released_pages_read_as_zeros_and_are_taken_again_when_written(readings)
     assert r["big"] - r["after_release"] > 60 * MIB
     assert r["zeros"] and r["edges_kept"]  # its whole pages' contents gone, the partial pages' kept
     assert r["rewritten"] - r["after_release"] > 60 * MIB and r["twos"]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_backward_trims_once_per_layer_and_leaves_the_gradients_alone(monkeypatch, checkpointed):
+    """``trim_in_backward``: one trim as the backward reaches each hooked layer (a checkpointed layer's
+    forward run again adds none), none for a forward under no_grad; the gradients are those of the
+    same model without hooks, bit for bit."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from rlcore.engines import host_memory
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False) if checkpointed else self.inner(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(4)])
+    x = torch.randn(8, 16)
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    trims = []
+    monkeypatch.setattr(host_memory, "trim_heap", lambda: trims.append(1) or True)
+    handles = host_memory.trim_in_backward([block.inner for block in model])
+    assert len(handles) == 4
+    with torch.no_grad():
+        model(x)
+    model(x).square().sum().backward()
+    assert len(trims) == 4
+    for p, g in zip(model.parameters(), expected):
+        assert torch.equal(p.grad, g)
+    for handle in handles:
+        handle.remove()
