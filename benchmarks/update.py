@@ -24,6 +24,8 @@ survives a machine others load). Timing is reported, never asserted.
 from __future__ import annotations
 
 import argparse
+import mmap
+import resource
 import statistics
 import time
 
@@ -73,6 +75,11 @@ def build_actor(args):
     actor = group.spawn({"actor"})["actor"]
     actor.init_model()
     return actor, group.worker(0, "actor")
+
+
+def minor_faults() -> int:
+    """Pages this process has faulted in so far (a page handed back and written again costs one)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def set_release_memory(worker, on: bool) -> None:
@@ -168,16 +175,18 @@ def main() -> None:
             set_release_memory(worker, side)
         elif side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
             worker.head.keep_logits(side)
-        start, cpu_start = time.perf_counter(), time.process_time()
+        start, cpu_start, faults = time.perf_counter(), time.process_time(), minor_faults()
         metrics = actor.update_policy(batch)[0]
         seconds, cpu_s = time.perf_counter() - start, time.process_time() - cpu_start
+        faults = minor_faults() - faults
         warm = i < (len(sides) if args.release_memory else 1)
         if not warm:
             times[side].append(seconds)
             cpu[side].append(cpu_s)
         label = " (warm-up)" if warm else ""
         label += "" if side is None else f" {knob}={side:g}"
-        print(f"update {i}{label}: {seconds:.2f} s ({cpu_s:.2f} s CPU), MFU {mfu(flops, seconds, peak):.1%}, "
+        print(f"update {i}{label}: {seconds:.2f} s ({cpu_s:.2f} s CPU, {faults * mmap.PAGESIZE / 2**30:.2f} GiB of "
+              f"pages faulted in), MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}", flush=True)
     for side, ts in times.items():
         if ts:

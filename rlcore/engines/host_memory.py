@@ -14,10 +14,12 @@ two generations: its blocks are zeroed when handed to a request, and the prefix 
 read old blocks is reset with it) handed back to the kernel; they read as zeros afterwards and are
 faulted in again on the next write, as they were when the cache was allocated (``torch.zeros``).
 
-``trim_in_backward``: the same trim between the layers of a backward. An update's backward frees
-each layer's kept activations as it goes while the gradients and the backward's own temporaries
-are allocated; glibc places many of those in fresh pages rather than the freed, fragmented blocks,
-so the process grew ~0.4 GiB through the backward at SmolLM2 (docs/real_models.md, "Memory").
+``trim_in_backward``: the same trim between the layers of an update's forward and backward. The forward
+leaves its freed temporaries scattered between the activations it keeps, and the backward frees each
+layer's activations while it makes the gradients and its own temporaries, which glibc mostly placed
+in fresh pages rather than the freed, fragmented blocks: at SmolLM2 the heap held 0.4-0.6 GiB free
+but resident at the forward's end and grew 0.35 GiB through a backward that freed 1.3
+(docs/real_models.md, "Memory").
 
 Linux with glibc only; elsewhere these do nothing and say so (``False``).
 """
@@ -80,11 +82,12 @@ def release_pages(tensor: torch.Tensor) -> int:
 
 
 def trim_in_backward(layers: list[nn.Module]) -> list:
-    """``trim_heap`` each time a backward reaches one of ``layers`` (a model's decoder layers): a hook on each layer's output, added by every forward that records a graph (not those
-    under ``no_grad``), fires as that output's gradient is ready, just before the layer's own
-    backward, once the layers above have freed what they kept. A checkpointed layer's forward run
-    again in the backward adds none (only the first forward's output is in the graph). Returns
-    the hooks' handles; none off glibc."""
+    """``trim_heap`` after the forward of each of ``layers`` (a model's decoder layers) that records a
+    graph (none under ``no_grad``), and again as the backward reaches it: a hook on the layer's
+    output fires as that output's gradient is ready, just before the layer's own backward, once the
+    layers above have freed what they kept. A checkpointed layer's recompute in the backward adds none
+    (torch stops it once the saved tensors are back; its output would not be in the graph anyway).
+    Returns the hooks' handles; none off glibc."""
     if _glibc() is None:
         return []
     return [layer.register_forward_hook(_hook_output) for layer in layers]
@@ -93,6 +96,7 @@ def trim_in_backward(layers: list[nn.Module]) -> list:
 def _hook_output(module: nn.Module, args, output) -> None:
     tensor = output[0] if isinstance(output, (tuple, list)) else output
     if torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        trim_heap()  # the layer's forward temporaries, freed between the activations it keeps
         tensor.register_hook(_trim_on_grad)
 
 

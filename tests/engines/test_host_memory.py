@@ -72,9 +72,10 @@ def test_released_pages_read_as_zeros_and_are_taken_again_when_written(readings)
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_the_backward_trims_once_per_layer_and_leaves_the_gradients_alone(monkeypatch, checkpointed):
-    """``trim_in_backward``: one trim as the backward reaches each hooked layer (a checkpointed layer's
-    forward run again adds none), none for a forward under no_grad; the gradients are those of the
-    same model without hooks, bit for bit."""
+    """``trim_in_backward``: one trim after each hooked layer's forward and one as the backward reaches
+    it (a checkpointed layer's recompute adds none: torch stops it once the saved tensors are back,
+    before the layer's hooks), none for a forward under no_grad; the gradients are those of the same
+    model without hooks, bit for bit."""
     import torch
     from torch import nn
     from torch.utils.checkpoint import checkpoint
@@ -102,8 +103,11 @@ def test_the_backward_trims_once_per_layer_and_leaves_the_gradients_alone(monkey
     assert len(handles) == 4
     with torch.no_grad():
         model(x)
-    model(x).square().sum().backward()
-    assert len(trims) == 4
+    assert trims == []
+    loss = model(x).square().sum()
+    assert len(trims) == 4  # after each layer's forward
+    loss.backward()
+    assert len(trims) == 4 + 4  # as the backward reaches each layer (a recompute stops before its hooks)
     for p, g in zip(model.parameters(), expected):
         assert torch.equal(p.grad, g)
     for handle in handles:
