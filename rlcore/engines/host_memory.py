@@ -81,16 +81,23 @@ def release_pages(tensor: torch.Tensor) -> int:
     return last - first
 
 
-def trim_in_backward(layers: list[nn.Module]) -> list:
-    """``trim_heap`` after the forward of each of ``layers`` (a model's decoder layers) that records a
+TRIM_EVERY = 6  # layers between two trims: each trim costs the pages the next layers write again (below)
+
+
+def trim_in_backward(layers: list[nn.Module], every: int = TRIM_EVERY) -> list:
+    """``trim_heap`` after the forward of every ``every``-th of ``layers`` (a model's decoder layers) that records a
     graph (none under ``no_grad``), and again as the backward reaches it: a hook on the layer's
     output fires as that output's gradient is ready, just before the layer's own backward, once the
     layers above have freed what they kept. A checkpointed layer's recompute in the backward adds none
     (torch stops it once the saved tensors are back; its output would not be in the graph anyway).
-    Returns the hooks' handles; none off glibc."""
+    Every trim costs: the free pages it hands back that the next layers write again are faulted in
+    again (~0.36 s of CPU per GiB here). Measured on an update of the SmolLM2 preset (4,848 tokens in
+    two packs, ``benchmarks/update.py --release-memory 0,1``): a trim at every layer faulted in 11.3
+    GiB more a update (+14% of its CPU time on a loaded machine); every 6th layer is the compromise
+    (docs/real_models.md, "Memory"). Returns the hooks' handles; none off glibc."""
     if _glibc() is None:
         return []
-    return [layer.register_forward_hook(_hook_output) for layer in layers]
+    return [layer.register_forward_hook(_hook_output) for layer in layers[every - 1::every]]
 
 
 def _hook_output(module: nn.Module, args, output) -> None:
