@@ -129,7 +129,7 @@ class TrainerConfig:
     memory_watch_s: float = 5.0  # seconds between readings of the run's processes' PSS (rlcore.trainer.process_memory); 0: off
     release_memory: bool = True  # free heap pages given back after each update and sync and inside the update, vLLM's
                                  # KV cache between generations and (recipes/grpo.py) its weights through the update
-                                 # (rlcore.engines.host_memory); the SmolLM2 preset: 6.66 -> 5.93-5.98 -> PRESET_NOW GiB
+                                 # (rlcore.engines.host_memory); the SmolLM2 preset: 6.66 -> 5.93-5.98 -> 4.3-4.4 GiB
 
     def __post_init__(self) -> None:
         for key, allowed in (("backend", ("ray", "local")), ("device", ("cpu", "cuda", "auto"))):
