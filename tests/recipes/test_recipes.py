@@ -263,8 +263,9 @@ def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
 @pytest.mark.vllm
 def test_grpo_that_gives_memory_back_learns_the_same(tmp_path, tiny_model):
     """``trainer.release_memory`` (the engine's packed weights let go through each update and packed
-    again by the sync, its KV cache between generations, the heap trimmed between the backward's
-    layers) against a run that keeps everything: the same sampled tokens, metrics and final weights."""
+    again by the sync, its KV cache between generations, the heap trimmed before each backward; the
+    trims between layers come every 6th layer, none in this 2-layer model: tests/engines/test_host_memory.py)
+    against a run that keeps everything: the same sampled tokens, metrics and final weights."""
     pytest.importorskip("vllm")
     from safetensors.torch import load_file
 
