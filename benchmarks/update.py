@@ -83,12 +83,12 @@ def minor_faults() -> int:
 
 
 def set_release_memory(worker, on: bool) -> None:
-    """``trainer.release_memory`` on the actor worker between updates: its backward's heap trims hooked or not."""
+    """``trainer.release_memory`` on the actor worker between updates: its heap trims between layers hooked or not."""
     worker.release_memory = on
-    if not on and worker._backward_trims:
-        for handle in worker._backward_trims:
+    if not on and worker._layer_trims:
+        for handle in worker._layer_trims:
             handle.remove()
-        worker._backward_trims = None
+        worker._layer_trims = None
 
 
 KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),

@@ -14,7 +14,7 @@ two generations: its blocks are zeroed when handed to a request, and the prefix 
 read old blocks is reset with it) handed back to the kernel; they read as zeros afterwards and are
 faulted in again on the next write, as they were when the cache was allocated (``torch.zeros``).
 
-``trim_in_backward``: the same trim between the layers of an update's forward and backward. The forward
+``trim_between_layers``: the same trim between the layers of an update's forward and backward. The forward
 leaves its freed temporaries scattered between the activations it keeps, and the backward frees each
 layer's activations while it makes the gradients and its own temporaries, which glibc mostly placed
 in fresh pages rather than the freed, fragmented blocks: at SmolLM2 the heap held 0.4-0.6 GiB free
@@ -84,7 +84,7 @@ def release_pages(tensor: torch.Tensor) -> int:
 TRIM_EVERY = 6  # layers between two trims: each trim costs the pages the next layers write again (below)
 
 
-def trim_in_backward(layers: list[nn.Module], every: int = TRIM_EVERY) -> list:
+def trim_between_layers(layers: list[nn.Module], every: int = TRIM_EVERY) -> list:
     """``trim_heap`` after the forward of every ``every``-th of ``layers`` (a model's decoder layers) that records a
     graph (none under ``no_grad``), and again as the backward reaches it: a hook on the layer's
     output fires as that output's gradient is ready, just before the layer's own backward, once the
@@ -92,9 +92,9 @@ def trim_in_backward(layers: list[nn.Module], every: int = TRIM_EVERY) -> list:
     (torch stops it once the saved tensors are back; its output would not be in the graph anyway).
     Every trim costs: the free pages it hands back that the next layers write again are faulted in
     again (~0.36 s of CPU per GiB here). Measured on an update of the SmolLM2 preset (4,848 tokens in
-    two packs, ``benchmarks/update.py --release-memory 0,1``): a trim at every layer faulted in 11.3
-    GiB more a update (+14% of its CPU time on a loaded machine); every 6th layer is the compromise
-    (docs/real_models.md, "Memory"). Returns the hooks' handles; none off glibc."""
+    two packs, ``benchmarks/update.py --release-memory 0,1``): a trim at every layer faulted in ~11
+    GiB more an update (~4 s of CPU), every 6th layer 3.4 GiB more (~1.2 s, +1.6% of the update)
+    for nearly the same peak (docs/real_models.md, "Memory"). Returns the hooks' handles; none off glibc."""
     if _glibc() is None:
         return []
     return [layer.register_forward_hook(_hook_output) for layer in layers[every - 1::every]]

@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
 from rlcore.engines.layout import crop_padding, pad_back
-from rlcore.engines.host_memory import trim_heap, trim_in_backward
+from rlcore.engines.host_memory import trim_between_layers, trim_heap
 from rlcore.engines.seeding import set_deterministic
 from rlcore.engines.server import push_buckets
 from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
@@ -301,7 +301,7 @@ class FSDPTrainWorker(Worker):
     train_cfg: TrainConfig
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
     release_memory = False  # trainer.release_memory, set by setup_worker
-    _backward_trims = None  # with release_memory: the hooks that trim the heap between the backward's layers
+    _layer_trims = None  # with release_memory: the hooks that trim the heap between the update's layers
 
     @property
     def packs(self) -> bool:
@@ -369,8 +369,8 @@ class FSDPTrainWorker(Worker):
             raise ValueError(f"ppo_mini_batch_size={global_rows} must split evenly over {ws} ranks and divide "
                              f"each rank's {len(data)} rows")
         self.module.train()
-        if self.release_memory and self._backward_trims is None:  # the backward's freed activations handed back
-            self._backward_trims = trim_in_backward([m for m in self.module.modules()
+        if self.release_memory and self._layer_trims is None:  # the update's freed temporaries handed back
+            self._layer_trims = trim_between_layers([m for m in self.module.modules()
                                                      if isinstance(m, FSDPModule) and m is not self.module])
         metrics: dict[str, list[float]] = defaultdict(list)
         seed = cfg.seed + self.update_calls

@@ -72,7 +72,7 @@ def test_released_pages_read_as_zeros_and_are_taken_again_when_written(readings)
 
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_the_backward_trims_once_per_layer_and_leaves_the_gradients_alone(monkeypatch, checkpointed):
-    """``trim_in_backward``: one trim after each hooked layer's forward and one as the backward reaches
+    """``trim_between_layers``: one trim after each hooked layer's forward and one as the backward reaches
     it (a checkpointed layer's recompute adds none: torch stops it once the saved tensors are back,
     before the layer's hooks), none for a forward under no_grad; the gradients are those of the same
     model without hooks, bit for bit."""
@@ -99,7 +99,7 @@ def test_the_backward_trims_once_per_layer_and_leaves_the_gradients_alone(monkey
 
     trims = []
     monkeypatch.setattr(host_memory, "trim_heap", lambda: trims.append(1) or True)
-    handles = host_memory.trim_in_backward([block.inner for block in model], every=1)
+    handles = host_memory.trim_between_layers([block.inner for block in model], every=1)
     assert len(handles) == 4
     with torch.no_grad():
         model(x)
