@@ -3,6 +3,7 @@
     python -m benchmarks.update [--model smollm2] [--repeats 3] [--micro-batch 16] [--token-budget N]
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
+    python -m benchmarks.update --release-memory 0,1 --repeats 4    # A/B of trainer.release_memory's heap trims
     python -m benchmarks.update --trained-groups 6 --token-budget 4096   # as the recipes run it (below)
 
 The rows are those of ``benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16
@@ -29,6 +30,7 @@ survives a machine others load). Timing is reported, never asserted.
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import resource
 import statistics
@@ -110,6 +112,25 @@ def build_actor(args):
     return actor, group.worker(0, "actor")
 
 
+def set_release_memory(worker, on: bool) -> None:
+    """``trainer.release_memory`` on the actor worker between updates: its heap trims between layers hooked or not."""
+    worker.release_memory = on
+    if not on and worker._layer_trims:
+        for handle in worker._layer_trims:
+            handle.remove()
+        worker._layer_trims = None
+
+
+def ab_knobs(args) -> list[tuple[str, list | None]]:
+    """The settings an A/B alternates between updates (the first one given on the command line)."""
+    return [("keep_logits_mb", args.keep_logits_mb), ("release_memory", args.release_memory)]
+
+
+SETTERS = {  # each knob set on the live worker between updates
+    "keep_logits_mb": lambda worker, mb: worker.head.keep_logits(mb),  # rlcore.workers.response_head
+    "release_memory": set_release_memory,
+}
+
 KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
          ("attention (SDPA)", ("scaled_dot_product",)),
          ("copies (copy_, cat, fill_)", ("aten::copy_", "aten::cat", "aten::fill_", "aten::zero_")),
@@ -164,7 +185,10 @@ def main() -> None:
     parser.add_argument("--shared-prompts", default=True, action=argparse.BooleanOptionalAction)
     parser.add_argument("--keep-logits-mb", type=lambda v: [float(x) for x in v.split(",")], default=None,
                         help="actor.keep_logits_mb; several (comma-separated): the timed updates alternate between them")
-    parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
+    parser.add_argument("--release-memory", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
+                        help="A/B of trainer.release_memory (the heap trimmed between the backward's layers and after "
+                             "the update), alternating: e.g. 0,1")
+    parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up per A/B side")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=30)
     args = parser.parse_args()
@@ -195,31 +219,38 @@ def main() -> None:
     uids = batch.non_tensor_batch["uid"]
     print("micro-batches (rows, groups, tokens as packed): " + ", ".join(
         f"({len(ix)}, {len(set(uids[ix]))}, {packed_tokens(batch, ix)})" for ix in micro))
-    sides = args.keep_logits_mb or [None]
+    knob, sides = next(((name, values) for name, values in ab_knobs(args) if values), (None, [None]))
     times: dict = {side: [] for side in sides}
-    for i in range(args.repeats + 1):
-        side = sides[(i - 1) % len(sides)] if i else sides[0]
-        if side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
-            worker.head.keep_logits(side)
+    cpu: dict = {side: [] for side in sides}
+    for i in range(len(sides) + args.repeats):  # each side warmed up once, then the timed updates alternate
+        side = sides[i % len(sides)]
+        if knob:
+            SETTERS[knob](worker, side)
         before, vm_before = resource.getrusage(resource.RUSAGE_SELF), huge_page_counts()
         start = time.perf_counter()
         metrics = actor.update_policy(batch)[0]
         seconds = time.perf_counter() - start
         after, vm = resource.getrusage(resource.RUSAGE_SELF), huge_page_counts()
-        if i:
+        user_s, system_s = after.ru_utime - before.ru_utime, after.ru_stime - before.ru_stime
+        faults = after.ru_minflt - before.ru_minflt
+        warm = i < len(sides)
+        if not warm:
             times[side].append(seconds)
-        label = " (warm-up)" if i == 0 else ("" if side is None else f" keep_logits_mb={side:g}")
+            cpu[side].append(user_s + system_s)
+        label = " (warm-up)" if warm else ""
+        label += "" if side is None else f" {knob}={side:g}"
         print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}, "
               f"shared_prompt_frac {metrics.get('actor/shared_prompt_frac', 0):.3f}; "
-              f"CPU user {after.ru_utime - before.ru_utime:.1f} s, "
-              f"system {after.ru_stime - before.ru_stime:.1f} s, minor page faults {after.ru_minflt - before.ru_minflt}, "
+              f"CPU user {user_s:.1f} s, system {system_s:.1f} s, minor page faults {faults} "
+              f"({faults * mmap.PAGESIZE / 2**30:.2f} GiB), "
               f"machine's {', '.join(f'{k} +{vm[k] - vm_before[k]}' for k in vm)}",
               flush=True)
     for side, ts in times.items():
         if ts:
             best, med = min(ts), statistics.median(ts)
-            label = "" if side is None else f"keep_logits_mb={side:g}: "
+            label = "" if side is None else f"{knob}={side:g}: "
+            label += f"CPU median {statistics.median(cpu[side]):.2f} s, "
             print(f"{label}median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} "
                   f"(best {mfu(flops, best, peak):.1%})")
     print(f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB; "

@@ -85,6 +85,7 @@ def train(cfg: DictConfig) -> TrainingRun:
                 metrics = compute_rewards(batch, cfg.algorithm, kl_ctrl)
                 compute_advantage(batch, cfg.algorithm)
             with run.timer("update_actor"):
+                workers.rollout.release_weights()  # the engine's copy waits idle for the sync below: let it go
                 metrics.update(mean_over_ranks(workers.actor.update_policy(batch)))
             with run.timer("sync_weights"):
                 workers.rollout.sync_weights()

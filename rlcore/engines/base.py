@@ -251,6 +251,12 @@ class Engine(ABC):
         none between calls (the HF engine's KV cache lives for one call)."""
         return 0
 
+    def release_weights(self) -> int:
+        """Before an update that a full weight sync follows (``trainer.release_memory``): let go of the
+        weights the sync will write again; ``generate`` refuses until ``load_weights``. Returns the bytes
+        let go; 0 for an engine that keeps them (the HF engine)."""
+        return 0
+
     def weight_checksums(self) -> dict[str, tuple[str, int, int] | None] | None:
         """{HF name: (dtype name, elements, hash of the bytes)} of the weights this engine samples
         with (``rlcore.algos.consistency.tensor_fingerprint``), for the consistency check to compare with the trainer's;

@@ -14,7 +14,14 @@ two generations: its blocks are zeroed when handed to a request, and the prefix 
 read old blocks is reset with it) handed back to the kernel; they read as zeros afterwards and are
 faulted in again on the next write, as they were when the cache was allocated (``torch.zeros``).
 
-Linux with glibc only; elsewhere both do nothing and say so (``False``).
+``trim_between_layers``: the same trim between the layers of an update's forward and backward. The forward
+leaves its freed temporaries scattered between the activations it keeps, and the backward frees each
+layer's activations while it makes the gradients and its own temporaries, which glibc mostly placed
+in fresh pages rather than the freed, fragmented blocks: at SmolLM2 the heap held 0.4-0.6 GiB free
+but resident at the forward's end and grew 0.35 GiB through a backward that freed 1.3
+(docs/real_models.md, "Memory").
+
+Linux with glibc only; elsewhere these do nothing and say so (``False``).
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import mmap
 import sys
 
 import torch
+from torch import nn
 
 MADV_DONTNEED = 4  # linux/mman.h
 _libc = None
@@ -71,3 +79,33 @@ def release_pages(tensor: torch.Tensor) -> int:
     if libc.madvise(ctypes.c_void_p(first), last - first, MADV_DONTNEED) != 0:
         raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {last - first} bytes failed")
     return last - first
+
+
+TRIM_EVERY = 6  # layers between two trims: each trim costs the pages the next layers write again (below)
+
+
+def trim_between_layers(layers: list[nn.Module], every: int = TRIM_EVERY) -> list:
+    """``trim_heap`` after the forward of every ``every``-th of ``layers`` (a model's decoder layers) that records a
+    graph (none under ``no_grad``), and again as the backward reaches it: a hook on the layer's
+    output fires as that output's gradient is ready, just before the layer's own backward, once the
+    layers above have freed what they kept. A checkpointed layer's recompute in the backward adds none
+    (torch stops it once the saved tensors are back; its output would not be in the graph anyway).
+    Every trim costs: the free pages it hands back that the next layers write again are faulted in
+    again (~0.36 s of CPU per GiB here). Measured on an update of the SmolLM2 preset (4,848 tokens in
+    two packs, ``benchmarks/update.py --release-memory 0,1``): a trim at every layer faulted in ~11
+    GiB more an update (~4 s of CPU), every 6th layer 3.4 GiB more (~1.2 s, +1.6% of the update)
+    for nearly the same peak (docs/real_models.md, "Memory"). Returns the hooks' handles; none off glibc."""
+    if _glibc() is None:
+        return []
+    return [layer.register_forward_hook(_hook_output) for layer in layers[every - 1::every]]
+
+
+def _hook_output(module: nn.Module, args, output) -> None:
+    tensor = output[0] if isinstance(output, (tuple, list)) else output
+    if torch.is_grad_enabled() and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        trim_heap()  # the layer's forward temporaries, freed between the activations it keeps
+        tensor.register_hook(_trim_on_grad)
+
+
+def _trim_on_grad(grad: torch.Tensor) -> None:
+    trim_heap()

@@ -105,6 +105,7 @@ class VLLMEngine(Engine):
         self.weight_names = _hf_parameter_names(model_cfg.path)
         self.call_seeds = CallSeeds(rank)
         self.last_sync_path, self.last_pack_s = None, None  # set by each load_weights
+        self.weights_released = False  # release_weights until the next load_weights
         self.routing_layers = 0  # MoE layers whose routing each generate records (rollout.record_routing)
         if rollout_cfg.record_routing and getattr(hf_config, "num_experts_per_tok", None):
             self.routing_top_k = int(hf_config.num_experts_per_tok)
@@ -133,6 +134,9 @@ class VLLMEngine(Engine):
                  settings: SamplingSettings) -> Generation:
         from vllm.inputs import TokensPrompt  # optional dependency (see __init__)
 
+        if self.weights_released:
+            raise RuntimeError("this vLLM engine's weights were released for the trainer's update "
+                               "(release_weights): load the updated weights (load_weights) before generating")
         prompts = [TokensPrompt(prompt_token_ids=ids[mask.bool()].tolist()) for ids, mask in zip(input_ids, attention_mask)]
         if settings.seed is None or settings.greedy:
             params = self.sampling_params(settings)
@@ -193,7 +197,21 @@ class VLLMEngine(Engine):
 
         # which path, the seconds vLLM's own packing of the layers took, layers packed / plain (benchmarks/rollout.py)
         self.last_sync_path, self.last_pack_s, self.weight_layouts = self.llm.collective_rpc(reload)[0]
+        self.weights_released = False
         self.llm.reset_prefix_cache()
+
+    def release_weights(self) -> int:
+        """Let the engine's copy of the weights go until the next ``load_weights`` (``trainer.release_memory``,
+        called by a recipe just before an update that a full weight sync follows: the engine would only
+        hold them through it). On vLLM's CPU build the matmul layers' packed kernels are dropped and the
+        pages of the weights the sync copies into handed back (``InPlacePlan.release``; 0.3 GiB at
+        SmolLM2 in bf16); the sync packs and fills them again, as after every update. ``generate``
+        refuses to run until then. Returns the bytes let go (0 where nothing was: another platform)."""
+        layout, rows = self.cpu_weight_layout, self.rows_decoded
+        freed = self.llm.collective_rpc(
+            lambda worker: in_place_plan(worker.model_runner.get_model()).release(layout, rows))[0]
+        self.weights_released = freed > 0
+        return freed
 
     def release_idle_memory(self) -> int:
         """The KV cache's pages handed back to the machine until the next generation (``host_memory``;

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore.engines.base import CPU_WEIGHT_LAYOUTS
+from rlcore.engines.host_memory import release_pages
 from rlcore.engines.vllm_checksums import engine_checksums
 
 PLAIN_TOLERANCE = 1.05  # auto: a layer goes plain if that measures at most 5% slower than vLLM's packed kernel
@@ -88,6 +89,24 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """A matmul layer on its own (N, K) weight, through torch (what vLLM itself falls back to on CPU).
     The bias is cast to the input's dtype: vLLM's small-GEMM kernel keeps a layer's bias in fp32."""
     return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
+def released_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Where a packed kernel stood while the engine's weights are released (``InPlacePlan.release``)."""
+    raise RuntimeError("this vLLM engine's weights were released for the trainer's update (trainer.release_memory); "
+                       "a weight sync (load_weights) must come before it generates again")
+
+
+def _packed_kernel(kernel) -> bool:
+    """Whether a layer's ``cpu_linear`` holds a packed copy of its weight: vLLM's oneDNN, sgl-kernel and
+    zentorch kernels are closures over it; torch's matmul and ``plain_linear`` read the layer's weight."""
+    return kernel is not None and kernel not in (plain_linear, F.linear, released_linear) and bool(
+        getattr(kernel, "__closure__", None))
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the whole of its storage (its pages can be released without touching another's)."""
+    return tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
 def plain_vs_packed(packed, weight: torch.Tensor, decode_rows: int, repeats: int = 5) -> float:
@@ -261,6 +280,49 @@ class InPlacePlan:
         pack_s += time.perf_counter() - packing
         self.last_pack_s = pack_s  # seconds in vLLM's packing (benchmarks/rollout.py)
 
+    @torch.no_grad()
+    def release(self, layout: str = "packed", decode_rows: int = 0) -> int:
+        """Drop the weights a full update rewrites, until it does (``VLLMEngine.release_weights``:
+        while the trainer updates, the engine's copy of the model is dead weight; 0.3 GiB at SmolLM2
+        in bf16). The packed kernels of the matmul layers, the LM head's included, are let go (a
+        stand-in that refuses to run takes their place; the update packs them again, as after any
+        update), and the pages of the weights the update copies into (the matmul layers on their
+        plain weight, an unpadded embedding) are handed back (``release_pages``: zeros until then).
+        ``layout`` ``auto``: each shape not yet measured is measured first, at ``decode_rows``, as the
+        update would have measured it (it has no packed kernel to measure against). Returns the
+        bytes let go; 0 off vLLM's CPU build. Norms and biases (small) and layers the plan does not
+        place (MoE experts, quantized or tensor-parallel layers) are kept."""
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+        if not self.enabled:
+            return 0
+        freed, pages = 0, {}
+        for module in self.modules.values():
+            kernel, weight = getattr(module, "cpu_linear", None), getattr(module, "weight", None)
+            if weight is None or kernel is None:
+                continue
+            if isinstance(module, LinearBase):
+                if type(module.quant_method) is not UnquantizedLinearMethod or getattr(module, "tp_size", 1) != 1:
+                    continue
+                if weight.numel() == 0 and _packed_kernel(kernel):
+                    shape = (module.output_size_per_partition, module.input_size_per_partition)
+                    if layout == "auto" and decode_rows > 0 and (shape, module.params_dtype) not in self.measured:
+                        self._goes_plain(module, torch.zeros(shape, dtype=module.params_dtype), layout, decode_rows)
+                    module.cpu_linear = released_linear
+                    freed += shape[0] * shape[1] * torch.empty((), dtype=module.params_dtype).element_size()
+                elif weight.numel() and not _packed_kernel(kernel) and _owns_storage(weight.data):
+                    pages[weight.data_ptr()] = weight.data
+            elif isinstance(module, VocabParallelEmbedding):
+                if _packed_kernel(kernel):  # the LM head's packed copy (the embedding keeps its own weight)
+                    self._goes_plain(module, weight, layout, decode_rows)  # measured now, if ever
+                    module.cpu_linear = released_linear
+                    freed += weight.numel() * weight.element_size()
+                padded = weight.shape[0] != getattr(module, "org_vocab_size", -1)  # the update writes the real rows only
+                if not padded and _owns_storage(weight.data):
+                    pages[weight.data_ptr()] = weight.data
+        return freed + sum(release_pages(tensor) for tensor in pages.values())
+
     def layouts(self) -> dict[str, int]:
         """How many of the model's CPU matmul kernels are packed and how many run on a plain weight
         (the linear layers and the LM head; vLLM gives the input embedding one as well)."""
@@ -284,9 +346,11 @@ class InPlacePlan:
             return False
         if layout == "plain":
             return True
+        key = (tuple(weight.shape), weight.dtype)
+        if packed is released_linear:  # nothing to measure against (measured before the release, if at all)
+            return self.measured.get(key, float("inf")) <= PLAIN_TOLERANCE
         if decode_rows <= 0:
             return False
-        key = (tuple(weight.shape), weight.dtype)
         if key not in self.measured:
             self.measured[key] = plain_vs_packed(packed, weight, decode_rows)
         return self.measured[key] <= PLAIN_TOLERANCE

@@ -25,14 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
 from rlcore.engines.layout import crop_padding, pad_back
-from rlcore.engines.host_memory import trim_heap
+from rlcore.engines.host_memory import trim_between_layers, trim_heap
 from rlcore.engines.seeding import set_deterministic
 from rlcore.engines.server import push_buckets
 from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
@@ -301,6 +301,7 @@ class FSDPTrainWorker(Worker):
     train_cfg: TrainConfig
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
     release_memory = False  # trainer.release_memory, set by setup_worker
+    _layer_trims = None  # with release_memory: the hooks that trim the heap between the update's layers
 
     @property
     def packs(self) -> bool:
@@ -368,6 +369,9 @@ class FSDPTrainWorker(Worker):
             raise ValueError(f"ppo_mini_batch_size={global_rows} must split evenly over {ws} ranks and divide "
                              f"each rank's {len(data)} rows")
         self.module.train()
+        if self.release_memory and self._layer_trims is None:  # the update's freed temporaries handed back
+            self._layer_trims = trim_between_layers([m for m in self.module.modules()
+                                                     if isinstance(m, FSDPModule) and m is not self.module])
         metrics: dict[str, list[float]] = defaultdict(list)
         seed = cfg.seed + self.update_calls
         stop = UpdateStop(self.module, self.device)  # a stopping run gives the update up before its first step
@@ -397,6 +401,8 @@ class FSDPTrainWorker(Worker):
                     loss, micro_metrics = loss_fn(micro, scale)
                     if not counts:
                         loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
+                    if self.release_memory:  # what the forward freed between the activations it keeps: handed back
+                        trim_heap()
                     loss.backward()
                     if counts:
                         total += loss.detach()

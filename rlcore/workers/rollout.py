@@ -175,6 +175,18 @@ class RolloutWorker(Worker):
         return self._load(state_dict, start)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def release_weights(self) -> int:
+        """With ``trainer.release_memory``: the engine lets its weights go until the next ``sync_weights`` /
+        ``update_weights`` (``Engine.release_weights``). A recipe calls it just before an update that a
+        full sync follows, with no generation between the two. Returns the bytes let go on this rank."""
+        if not self.release_memory:
+            return 0
+        freed = self._require_engine().release_weights()
+        if freed:
+            trim_heap()  # the packed kernels' buffers lay in the heap
+        return freed
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """Separate pools: load a full state dict (HF parameter names) sent by the driver."""
         return self._load(state_dict, time.perf_counter())

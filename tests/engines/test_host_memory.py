@@ -68,3 +68,47 @@ def test_released_pages_read_as_zeros_and_are_taken_again_when_written(readings)
     assert r["big"] - r["after_release"] > 60 * MIB
     assert r["zeros"] and r["edges_kept"]  # its whole pages' contents gone, the partial pages' kept
     assert r["rewritten"] - r["after_release"] > 60 * MIB and r["twos"]
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_the_backward_trims_once_per_layer_and_leaves_the_gradients_alone(monkeypatch, checkpointed):
+    """``trim_between_layers``: one trim after each hooked layer's forward and one as the backward reaches
+    it (a checkpointed layer's recompute adds none: torch stops it once the saved tensors are back,
+    before the layer's hooks), none for a forward under no_grad; the gradients are those of the same
+    model without hooks, bit for bit."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from rlcore.engines import host_memory
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=False) if checkpointed else self.inner(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Block() for _ in range(4)])
+    x = torch.randn(8, 16)
+    model(x).square().sum().backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+
+    trims = []
+    monkeypatch.setattr(host_memory, "trim_heap", lambda: trims.append(1) or True)
+    handles = host_memory.trim_between_layers([block.inner for block in model], every=1)
+    assert len(handles) == 4
+    with torch.no_grad():
+        model(x)
+    assert trims == []
+    loss = model(x).square().sum()
+    assert len(trims) == 4  # after each layer's forward
+    loss.backward()
+    assert len(trims) == 4 + 4  # as the backward reaches each layer (a recompute stops before its hooks)
+    for p, g in zip(model.parameters(), expected):
+        assert torch.equal(p.grad, g)
+    for handle in handles:
+        handle.remove()

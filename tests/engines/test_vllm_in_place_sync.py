@@ -128,3 +128,61 @@ def test_auto_layout_follows_the_measurement_once_per_shape(tmp_path, monkeypatc
     expected = generate(HFEngine(ModelConfig(path=new), RolloutConfig(max_new_tokens=MAX_NEW)), prompts, GREEDY)
     assert torch.equal(after.batch["responses"], expected.batch["responses"])
     assert torch.allclose(after.batch["rollout_log_probs"], expected.batch["rollout_log_probs"], atol=1e-5)
+
+
+def _anon_bytes() -> int:
+    """This process's resident anonymous memory (heap, tensors): resident minus file-backed pages."""
+    import mmap
+    with open("/proc/self/statm") as f:
+        resident, shared = (int(v) for v in f.read().split()[1:3])
+    return (resident - shared) * mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("arch, tied, layout, dtype", [
+    ("llama", False, "packed", "float32"), ("llama", False, "plain", "bfloat16"), ("llama", False, "auto", "bfloat16"),
+    ("qwen3", True, "packed", "float32"), ("qwen3", True, "auto", "float32")])
+def test_released_weights_come_back_with_the_sync(tmp_path, arch, tied, layout, dtype):
+    """``release_weights`` (before the trainer's update, ``trainer.release_memory``): the matmul layers'
+    packed kernels (the LM head's too) are let go and the plain weights' pages handed back, so the
+    process's memory drops by about their size; generating refuses until a sync; after it, the
+    same weights sample the same greedy tokens with the same log-probs, bit for bit, and stay on the
+    layout they had (``auto``: as measured before the release)."""
+    from rlcore.engines.host_memory import trim_heap
+    from rlcore.engines.vllm_engine import VLLMEngine
+
+    if tied:  # the tiny shape: its LM head is the padded embedding
+        start = _model(tmp_path / "m", arch, 0, tied)
+    else:  # large enough for the memory given back to show
+        start = build_tiny_model(tmp_path / "m", arch=arch, seed=0, hidden_size=512, num_layers=4, num_heads=8,
+                                 num_kv_heads=4, head_dim=64)
+    tok = AutoTokenizer.from_pretrained(start)
+    prompts = make_prompts(tok, PROMPTS)
+    engine = VLLMEngine(ModelConfig(path=start), RolloutConfig(
+        backend="vllm", dtype=dtype, max_new_tokens=MAX_NEW, kv_cache_memory_bytes=1 << 26, max_model_len=256,
+        cpu_weight_layout=layout))
+    state = AutoModelForCausalLM.from_pretrained(start).state_dict()
+    generate(engine, prompts, GREEDY)  # a batch decoded: auto measures at the first update
+    engine.load_weights(state)
+    layouts = engine.weight_layouts
+    engine.llm.reset_prefix_cache()
+    before = generate(engine, prompts, GREEDY)
+
+    trim_heap()
+    held = _anon_bytes()
+    freed = engine.release_weights()
+    trim_heap()
+    linears = sum(t.numel() for n, t in state.items() if t.ndim == 2 and ".layers." in n)  # (whole pages only)
+    assert freed >= 0.95 * linears * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    if arch == "llama":  # large enough to see: the process gave most of it back
+        assert held - _anon_bytes() >= freed // 2
+    with pytest.raises(RuntimeError, match="released"):
+        generate(engine, prompts, GREEDY)
+    from rlcore.engines.vllm_worker import released_linear
+    stand_ins = engine.llm.collective_rpc(
+        lambda worker: sum(getattr(m, "cpu_linear", None) is released_linear for m in worker.model_runner.get_model().modules()))
+    assert (stand_ins[0] > 0) == (layouts["packed"] > 0)  # plain layers: no packed kernels, only pages given back
+    engine.load_weights(state)
+    assert engine.last_sync_path == "in_place" and engine.weight_layouts == layouts
+    after = generate(engine, prompts, GREEDY)
+    assert torch.equal(after.batch["responses"], before.batch["responses"])
+    assert torch.equal(after.batch["rollout_log_probs"], before.batch["rollout_log_probs"])

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -257,6 +258,28 @@ def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
         exact = {k: v for k, v in want.items() if k not in engine_numerics}
         assert {k: have.get(k) for k in exact} == exact, {k: (v, have.get(k)) for k, v in exact.items() if have.get(k) != v}
     assert len({r["reward/score/mean"] for r in expected[1:]}) > 1  # sampled: the scores vary from step to step
+
+
+@pytest.mark.vllm
+def test_grpo_that_gives_memory_back_learns_the_same(tmp_path, tiny_model):
+    """``trainer.release_memory`` (the engine's packed weights let go through each update and packed
+    again by the sync, its KV cache between generations, the heap trimmed before each backward; the
+    trims between layers come every 6th layer, none in this 2-layer model: tests/engines/test_host_memory.py)
+    against a run that keeps everything: the same sampled tokens, metrics and final weights."""
+    pytest.importorskip("vllm")
+    from safetensors.torch import load_file
+
+    length_reward = Path(__file__).with_name("length_reward.py")
+    rollout = [o for o in VLLM_ROLLOUT if not o.startswith("rollout.cpu_weight_layout")] + ["rollout.cpu_weight_layout=packed"]
+    overrides = [f"model.path={tiny_model}", "trainer.backend=local", "rollout.do_sample=true", "actor.lr=5e-2",
+                 "actor.ppo_mini_batch_size=2", f"reward.reward_fn={length_reward}:reward_by_length", *COMMON_RL, *rollout]
+    runs = {flag: recipes.grpo.train(config("grpo", tmp_path, *overrides, f"trainer.run_name={flag}",
+                                            f"trainer.release_memory={flag}")) for flag in ("true", "false")}
+    released, kept = (comparable_metrics(runs[flag]) for flag in ("true", "false"))
+    assert released == kept
+    weights = {flag: load_file(str(runs[flag].dir / "hf" / "model.safetensors")) for flag in runs}
+    assert weights["true"].keys() == weights["false"].keys()
+    assert all(torch.equal(weights["true"][k], weights["false"][k]) for k in weights["true"])
 
 
 def test_unknown_key_on_the_command_line_is_an_error_naming_it(tmp_path, preloaded_python):
