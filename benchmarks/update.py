@@ -3,6 +3,7 @@
     python -m benchmarks.update [--model smollm2] [--repeats 3] [--micro-batch 16] [--token-budget N]
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
+    python -m benchmarks.update --fused-layers 0,1 --repeats 4        # A/B of model.fused_layers, alternating
 
 The rows are those of ``benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16
 --n 8 --new-tokens 32 --micro-batch 16``: the task's 16 chat prompts, left-padded, each repeated n times
@@ -68,6 +69,8 @@ def build_actor(args):
     }
     if getattr(args, "keep_logits_mb", None):
         config["actor"]["keep_logits_mb"] = args.keep_logits_mb[0]
+    if getattr(args, "fused_layers", None):
+        config["model"]["fused_layers"] = args.fused_layers[0]
     group = LocalWorkerGroup(create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorWorker, config)}))
     actor = group.spawn({"actor"})["actor"]
     actor.init_model()
@@ -124,6 +127,8 @@ def main() -> None:
     parser.add_argument("--shared-prompts", default=True, action=argparse.BooleanOptionalAction)
     parser.add_argument("--keep-logits-mb", type=lambda v: [float(x) for x in v.split(",")], default=None,
                         help="actor.keep_logits_mb; several (comma-separated): the timed updates alternate between them")
+    parser.add_argument("--fused-layers", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
+                        help="model.fused_layers (1 on, 0 off); both (0,1): the timed updates alternate between them")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=30)
@@ -132,6 +137,7 @@ def main() -> None:
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
+    from rlcore.models.fused_layers import install_fused_layers
     from rlcore.models.gguf import resolve_model_path
 
     args.model = resolve_model_path(args.model)
@@ -145,24 +151,29 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, {torch.backends.cpu.get_cpu_capability()}; "
           f"{args.train_dtype} matmul peak {peak / 1e9:.0f} GFLOP/s; update {flops / 1e12:.2f} TFLOP useful "
           f"({len(batch)} rows, prompt {prompt_len:.1f} tokens, {args.new_tokens} new)")
-    sides = args.keep_logits_mb or [None]
+    if args.keep_logits_mb and args.fused_layers:
+        parser.error("alternate one setting at a time: --keep-logits-mb or --fused-layers")
+    sides = [("keep_logits_mb", v) for v in args.keep_logits_mb or []] or \
+        [("fused_layers", int(v)) for v in args.fused_layers or []] or [None]
     times: dict = {side: [] for side in sides}
     for i in range(args.repeats + 1):
         side = sides[(i - 1) % len(sides)] if i else sides[0]
-        if side is not None:  # the head's own setting (rlcore.workers.response_head), between updates
-            worker.head.keep_logits(side)
+        if side is not None and side[0] == "keep_logits_mb":  # the head's own setting (rlcore.workers.response_head)
+            worker.head.keep_logits(side[1])
+        elif side is not None:  # the model's RMSNorms and MLPs fused or transformers' (rlcore.models.fused_layers)
+            install_fused_layers(worker.module, bool(side[1]))
         start = time.perf_counter()
         metrics = actor.update_policy(batch)[0]
         seconds = time.perf_counter() - start
         if i:
             times[side].append(seconds)
-        label = " (warm-up)" if i == 0 else ("" if side is None else f" keep_logits_mb={side:g}")
+        label = " (warm-up)" if i == 0 else ("" if side is None else f" {side[0]}={side[1]:g}")
         print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}", flush=True)
     for side, ts in times.items():
         if ts:
             best, med = min(ts), statistics.median(ts)
-            label = "" if side is None else f"keep_logits_mb={side:g}: "
+            label = "" if side is None else f"{side[0]}={side[1]:g}: "
             print(f"{label}median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} "
                   f"(best {mfu(flops, best, peak):.1%})")
     if args.profile:
