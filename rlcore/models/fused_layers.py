@@ -87,6 +87,33 @@ class SiluMulFunction(torch.autograd.Function):
         return grad_gate, grad_up
 
 
+class SwiGLUDownFunction(torch.autograd.Function):
+    """``down(silu(gate) * up)`` for a plain linear ``down``, keeping gate and up (and the weight) only:
+    the product, which the linear would keep as its input, is recomputed in the backward (two passes
+    over (N, intermediate) against the matmuls' N x intermediate x hidden)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(F.silu(gate) * up, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, up, weight = ctx.saved_tensors
+        silu = F.silu(gate)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = grad_2d.t().mm((silu * up).reshape(-1, up.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = grad_2d.sum(0)
+        grad_product = grad.matmul(weight)
+        grad_up = grad_product * silu if ctx.needs_input_grad[1] else None
+        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate) if ctx.needs_input_grad[0] else None
+        return grad_gate, grad_up, grad_weight, grad_bias
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return RMSNormFunction.apply(x, weight, eps)
 
@@ -95,12 +122,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return SiluMulFunction.apply(gate, up)
 
 
+def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Linear) -> torch.Tensor:
+    return SwiGLUDownFunction.apply(gate, up, down.weight, down.bias)
+
+
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if type(self.down_proj) is nn.Linear and not self.down_proj._forward_hooks and not self.down_proj._forward_pre_hooks:
+        return swiglu_down(gate, up, self.down_proj)
+    return self.down_proj(silu_mul(gate, up))  # a wrapped down projection (LoRA's, hooked): called as it is
 
 
 def fusable(module: nn.Module) -> bool:

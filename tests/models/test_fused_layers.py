@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
 
-from rlcore.models.fused_layers import install_fused_layers, rms_norm, silu_mul
+from rlcore.models.fused_layers import install_fused_layers, rms_norm, silu_mul, swiglu_down
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -71,7 +71,8 @@ def kept_bytes(fn) -> int:
 
 def test_fused_layers_keep_less_for_the_backward():
     """bf16 RMSNorm: the input (bf16) and a per-row fp32 scale, not an fp32 copy and a normalised one
-    besides; the SiLU product: gate and up, not silu(gate) as well."""
+    besides; the SiLU product: gate and up, not silu(gate) as well; with the down projection, not the
+    product either."""
     n, h, i = 64, 32, 48
     norm = LlamaRMSNorm(h).to(torch.bfloat16)
     x = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
@@ -81,6 +82,9 @@ def test_fused_layers_keep_less_for_the_backward():
     gate, up = (torch.randn(n, i, requires_grad=True) for _ in range(2))
     assert kept_bytes(lambda: silu_mul(gate, up)) == 2 * gate.nbytes
     assert kept_bytes(lambda: F.silu(gate) * up) == 3 * gate.nbytes
+    down = torch.nn.Linear(i, h)  # the MLP's whole tail: its product not kept as the projection's input either
+    assert kept_bytes(lambda: swiglu_down(gate, up, down)) == 2 * gate.nbytes + down.weight.nbytes
+    assert kept_bytes(lambda: down(F.silu(gate) * up)) == 4 * gate.nbytes + down.weight.nbytes
 
 
 def tiny_config(cls=LlamaConfig, **overrides):
@@ -146,3 +150,24 @@ def test_only_the_same_math_is_fused():
     other = OtherNorm()
     assert install_fused_layers(other) == {"rms_norm": 0, "silu_mul": 0}
     assert "forward" not in vars(other)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_swiglu_down_matches_autograd(dtype, bias):
+    g = torch.Generator().manual_seed(3)
+    down = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    gate, up = (torch.randn(1, 45, 96, generator=g).to(dtype) for _ in range(2))
+    grad = torch.randn(1, 45, 40, generator=g).to(dtype)
+
+    def run(fn):
+        down.zero_grad(set_to_none=True)
+        inputs = [t.clone().requires_grad_() for t in (gate, up)]
+        out = fn(*inputs)
+        out.backward(grad)
+        return [out, *(t.grad for t in inputs), down.weight.grad] + ([down.bias.grad] if bias else [])
+
+    ours = run(lambda a, b: swiglu_down(a, b, down))
+    ref = run(lambda a, b: down(F.silu(a) * b))
+    for a, b, what in zip(ours, ref, ("output", "gate grad", "up grad", "weight grad", "bias grad")):
+        assert torch.equal(a, b), what
