@@ -4,6 +4,7 @@
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
     python -m benchmarks.update --fused-layers 0,1 --repeats 4        # A/B of model.fused_layers, alternating
+    python -m benchmarks.update --fused-layers 0,1 --kept --train-dtype bfloat16 --token-budget 4096  # + what each keeps
 
 The rows are those of ``benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16
 --n 8 --new-tokens 32 --micro-batch 16``: the task's 16 chat prompts, left-padded, each repeated n times
@@ -18,7 +19,9 @@ fp32 (or bf16) matmul peak measured in the same process. ``--profile`` runs one 
 ``torch.profiler`` (CPU, shapes recorded) and prints its operators by self time, grouped by name and
 shapes, and the split into matmuls, attention, copies, index ops, the optimizer, elementwise work and
 bookkeeping, both as run and counting each group's fastest call (``profile_split``: the estimate that
-survives a machine others load). Timing is reported, never asserted.
+survives a machine others load). ``--kept`` runs one more update per side counting what autograd keeps
+for the backward (``kept_bytes``: every saved tensor's storage once, gathered weights included), per
+micro-batch. Timing is reported, never asserted.
 """
 
 from __future__ import annotations
@@ -114,6 +117,34 @@ def profile_split(prof, rows: int) -> None:
         print(f"  {est / 1e3:9.1f} ms (as run {total / 1e3:9.1f}) x{count:4d} {name[:48]:48s} {shapes[:100]}")
 
 
+def kept_bytes(module, update) -> list[tuple[int, int]]:
+    """(bytes, tokens) autograd keeps for the backward of each forward of ``module`` while ``update()``
+    runs: every tensor saved (``saved_tensors_hooks``) between the forward's start and end, each storage once."""
+    sizes, current, tokens = [], {}, [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        current[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def start(_, args, kwargs):
+        current.clear()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tokens[0] = int(ids.numel()) if ids is not None else 0
+
+    def end(*_):
+        sizes.append((sum(current.values()), tokens[0]))
+
+    hooks = [module.register_forward_pre_hook(start, with_kwargs=True), module.register_forward_hook(end)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            update()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -130,6 +161,7 @@ def main() -> None:
     parser.add_argument("--fused-layers", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
                         help="model.fused_layers (1 on, 0 off); both (0,1): the timed updates alternate between them")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up")
+    parser.add_argument("--kept", action="store_true", help="one more update per side, counting what autograd keeps")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=30)
     args = parser.parse_args()
@@ -156,26 +188,41 @@ def main() -> None:
     sides = [("keep_logits_mb", v) for v in args.keep_logits_mb or []] or \
         [("fused_layers", int(v)) for v in args.fused_layers or []] or [None]
     times: dict = {side: [] for side in sides}
+    cpu_times: dict = {}  # this process's CPU seconds: steadier than wall time where others load the machine
     for i in range(args.repeats + 1):
         side = sides[(i - 1) % len(sides)] if i else sides[0]
         if side is not None and side[0] == "keep_logits_mb":  # the head's own setting (rlcore.workers.response_head)
             worker.head.keep_logits(side[1])
         elif side is not None:  # the model's RMSNorms and MLPs fused or transformers' (rlcore.models.fused_layers)
             install_fused_layers(worker.module, bool(side[1]))
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         metrics = actor.update_policy(batch)[0]
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         if i:
             times[side].append(seconds)
+            cpu_times.setdefault(side, []).append(cpu)
         label = " (warm-up)" if i == 0 else ("" if side is None else f" {side[0]}={side[1]:g}")
-        print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
+        print(f"update {i}{label}: {seconds:.2f} s ({cpu:.2f} CPU s), MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}", flush=True)
     for side, ts in times.items():
         if ts:
             best, med = min(ts), statistics.median(ts)
             label = "" if side is None else f"{side[0]}={side[1]:g}: "
             print(f"{label}median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} "
-                  f"(best {mfu(flops, best, peak):.1%})")
+                  f"(best {mfu(flops, best, peak):.1%}); CPU seconds median {statistics.median(cpu_times[side]):.2f} "
+                  f"(best {min(cpu_times[side]):.2f})")
+    for side in sides if args.kept else []:
+        if side is not None and side[0] == "keep_logits_mb":
+            worker.head.keep_logits(side[1])
+        elif side is not None:
+            install_fused_layers(worker.module, bool(side[1]))
+        sizes = kept_bytes(worker.module, lambda: actor.update_policy(batch))
+        most = max(sizes)
+        label = "" if side is None else f"{side[0]}={side[1]:g}: "
+        total, tokens = sum(b for b, _ in sizes), sum(t for _, t in sizes)
+        print(f"{label}kept for the backward: largest micro-batch {most[0] / 2**30:.3f} GiB ({most[1]} tokens); "
+              f"{len(sizes)} micro-batches {total / 2**30:.3f} GiB for {tokens} tokens, "
+              f"{total / max(tokens, 1) / 1024:.1f} KiB a token", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
