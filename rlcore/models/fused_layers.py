@@ -1,22 +1,26 @@
-"""RMSNorm and the SiLU-gated MLP's product as autograd functions of their own, for the trained roles.
+"""RMSNorm and the SiLU-gated MLP as autograd functions of their own, for the trained roles: less kept.
 
 Why: transformers computes Llama's RMSNorm as separate eager ops (an fp32 copy of the input, pow, mean,
 rsqrt, two multiplies, a cast back), and autograd keeps what each of them needs for its backward: the
-input's fp32 copy and the normalised output, besides the weight. The MLP's ``act(gate) * up`` keeps
-gate (for SiLU's backward), silu(gate) and up (for the product's). On CPU, where each of these ops is
-a pass over memory and a dispatch through autograd, they are the update's largest cost after the
-matmuls (docs/benchmarks.md, "Where the update loses time"), and at SmolLM2 they keep ~0.4 GiB of a
-4096-token micro-batch's activations (docs/real_models.md, "Memory").
+input's fp32 copy and the normalised output, besides the weight. The MLP's ``down(act(gate) * up)``
+keeps gate (for SiLU's backward), silu(gate) and up (for the product's) and the product (the down
+projection's input). In a bf16 update at SmolLM2 that is 10.5 KB a token and layer more than the
+backward needs: 1.2 of the 3.1 GiB a 4096-token micro-batch keeps (docs/real_models.md, "Memory").
 
 Here each is one ``torch.autograd.Function`` with the same forward ops in the same order (outputs are
-the same bits), that keeps less and runs a shorter backward:
+the same bits) that keeps less and recomputes the rest in its backward:
 
 - ``RMSNormFunction`` keeps the input as it came (bf16 under mixed precision: no fp32 copy) and the
   per-row inverse RMS, (N, 1) fp32; its backward is the closed form
-  ``dx = r * (dy - x * r^2 * mean(dy * x))`` with ``dy = g * w`` in fp32 (one row dot product, two
-  passes) and recomputes the normalised input once for the weight's gradient.
-- ``SiluMulFunction`` keeps gate and up only and recomputes silu(gate) in the backward (aten's own
+  ``dx = r * dy - x * r^3 * mean(dy * x)`` with ``dy = g * w`` in fp32 (one row dot product), rounded
+  as autograd rounds it, and recomputes the normalised input once for the weight's gradient.
+- ``SwiGLUDownFunction`` (a plain linear ``down``) keeps gate, up and the weight; ``SiluMulFunction``
+  (a wrapped one, e.g. LoRA's) gate and up. silu(gate) and the product are recomputed (aten's own
   ``silu_backward``, so the gate's gradient is autograd's bits).
+
+Gradients: bit for bit in bf16; in fp32 within rounding (tests/models/test_fused_layers.py says why).
+Speed: the same on CPU within what a loaded 2-core machine resolves (the norm's backward is faster,
+the MLP's recompute slower; docs/benchmarks.md, "Fused layers").
 
 ``install_fused_layers(model)`` swaps the ``forward`` of every module whose math is exactly this:
 the RMSNorms and SiLU MLPs of transformers' Llama, Mistral, Qwen2 and Qwen3 (dense and the MoE's dense
