@@ -4,6 +4,8 @@
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
     python -m benchmarks.update --release-memory 0,1 --repeats 4    # A/B of trainer.release_memory's heap trims
+    python -m benchmarks.update --fused-layers 0,1 --repeats 4        # A/B of model.fused_layers, alternating
+    python -m benchmarks.update --fused-layers 0,1 --kept --train-dtype bfloat16 --token-budget 4096  # + what each keeps
     python -m benchmarks.update --trained-groups 6 --token-budget 4096   # as the recipes run it (below)
 
 The rows are those of ``benchmarks/grpo_vs_trl.py --model smollm2 --task arithmetic_words --prompts 16
@@ -24,7 +26,9 @@ same process, and the process's peak RSS. ``--profile`` runs one more update und
 ``torch.profiler`` (CPU, shapes recorded) and prints its operators by self time, grouped by name and
 shapes, and the split into matmuls, attention, copies, index ops, the optimizer, elementwise work and
 bookkeeping, both as run and counting each group's fastest call (``profile_split``: the estimate that
-survives a machine others load). Timing is reported, never asserted.
+survives a machine others load). ``--kept`` runs one more update per side counting what autograd keeps
+for the backward (``kept_bytes``: every saved tensor's storage once, gathered weights included), per
+micro-batch. Timing is reported, never asserted.
 """
 
 from __future__ import annotations
@@ -106,6 +110,8 @@ def build_actor(args):
     }
     if getattr(args, "keep_logits_mb", None):
         config["actor"]["keep_logits_mb"] = args.keep_logits_mb[0]
+    if getattr(args, "fused_layers", None):
+        config["model"]["fused_layers"] = args.fused_layers[0]
     group = LocalWorkerGroup(create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorWorker, config)}))
     actor = group.spawn({"actor"})["actor"]
     actor.init_model()
@@ -121,14 +127,22 @@ def set_release_memory(worker, on: bool) -> None:
         worker._layer_trims = None
 
 
+def set_fused_layers(worker, on: bool) -> None:
+    """``model.fused_layers`` on the actor's model between updates: its RMSNorms and MLPs fused or transformers'."""
+
+    install_fused_layers(worker.module, on)
+
+
 def ab_knobs(args) -> list[tuple[str, list | None]]:
     """The settings an A/B alternates between updates (the first one given on the command line)."""
-    return [("keep_logits_mb", args.keep_logits_mb), ("release_memory", args.release_memory)]
+    return [("keep_logits_mb", args.keep_logits_mb), ("release_memory", args.release_memory),
+            ("fused_layers", args.fused_layers)]
 
 
 SETTERS = {  # each knob set on the live worker between updates
     "keep_logits_mb": lambda worker, mb: worker.head.keep_logits(mb),  # rlcore.workers.response_head
     "release_memory": set_release_memory,
+    "fused_layers": lambda worker, on: set_fused_layers(worker, on),
 }
 
 KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
@@ -168,6 +182,34 @@ def profile_split(prof, rows: int) -> None:
         print(f"  {est / 1e3:9.1f} ms (as run {total / 1e3:9.1f}) x{count:4d} {name[:48]:48s} {shapes[:100]}")
 
 
+def kept_bytes(module, update) -> list[tuple[int, int]]:
+    """(bytes, tokens) autograd keeps for the backward of each forward of ``module`` while ``update()``
+    runs: every tensor saved (``saved_tensors_hooks``) between the forward's start and end, each storage once."""
+    sizes, current, tokens = [], {}, [0]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        current[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def start(_, args, kwargs):
+        current.clear()
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tokens[0] = int(ids.numel()) if ids is not None else 0
+
+    def end(*_):
+        sizes.append((sum(current.values()), tokens[0]))
+
+    hooks = [module.register_forward_pre_hook(start, with_kwargs=True), module.register_forward_hook(end)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            update()
+    finally:
+        for h in hooks:
+            h.remove()
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2")
@@ -188,7 +230,10 @@ def main() -> None:
     parser.add_argument("--release-memory", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
                         help="A/B of trainer.release_memory (the heap trimmed between the backward's layers and after "
                              "the update), alternating: e.g. 0,1")
+    parser.add_argument("--fused-layers", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
+                        help="model.fused_layers (1 on, 0 off); both (0,1): the timed updates alternate between them")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up per A/B side")
+    parser.add_argument("--kept", action="store_true", help="one more update per side, counting what autograd keeps")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--profile-rows", type=int, default=30)
     args = parser.parse_args()
@@ -197,6 +242,7 @@ def main() -> None:
 
     from benchmarks.grpo_vs_trl import useful_flops
     from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
+    from rlcore.models.fused_layers import install_fused_layers
     from rlcore.models.gguf import resolve_model_path
 
     args.model = resolve_model_path(args.model)
@@ -219,6 +265,8 @@ def main() -> None:
     uids = batch.non_tensor_batch["uid"]
     print("micro-batches (rows, groups, tokens as packed): " + ", ".join(
         f"({len(ix)}, {len(set(uids[ix]))}, {packed_tokens(batch, ix)})" for ix in micro))
+    if sum(bool(values) for _, values in ab_knobs(args)) > 1:
+        parser.error("alternate one setting at a time: --keep-logits-mb, --release-memory or --fused-layers")
     knob, sides = next(((name, values) for name, values in ab_knobs(args) if values), (None, [None]))
     times: dict = {side: [] for side in sides}
     cpu: dict = {side: [] for side in sides}
@@ -255,6 +303,16 @@ def main() -> None:
                   f"(best {mfu(flops, best, peak):.1%})")
     print(f"peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB; "
           f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}")
+    for side in sides if args.kept else []:
+        if knob:
+            SETTERS[knob](worker, side)
+        sizes = kept_bytes(worker.module, lambda: actor.update_policy(batch))
+        most = max(sizes)
+        label = "" if side is None else f"{knob}={side:g}: "
+        total, tokens = sum(b for b, _ in sizes), sum(t for _, t in sizes)
+        print(f"{label}kept for the backward: largest micro-batch {most[0] / 2**30:.3f} GiB ({most[1]} tokens); "
+              f"{len(sizes)} micro-batches {total / 2**30:.3f} GiB for {tokens} tokens, "
+              f"{total / max(tokens, 1) / 1024:.1f} KiB a token", flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -31,6 +31,7 @@ class ModelConfig:
     mixed_precision: str | None = None  # "bfloat16": FSDP2 computes in bf16, parameters and reduction stay float32; "auto": bf16 where measured faster
     use_remove_padding: bool = True  # trained roles run packed micro-batches: valid tokens end to end, no padding (rlcore.workers.packing)
     pack_shared_prompts: bool = True  # packed: a group's rows that share a prompt hold it once (rlcore.workers.packing)
+    fused_layers: bool = True  # trained roles: RMSNorm and SiLU(gate) * up as fused autograd functions, same bits, less kept (rlcore.models.fused_layers)
     attn_implementation: str | None = None  # the trained roles' attention kernel (transformers'): "eager", "sdpa", "flash_attention_2"; null: transformers' choice (sdpa)
 
     def __post_init__(self) -> None:

@@ -40,6 +40,7 @@ from rlcore.algos.kl import kl_penalty
 from rlcore.algos.losses import LossScale, PolicyLossInput, agg_loss, get_policy_loss
 from rlcore.algos.stats import masked_mean
 from rlcore.models.config import ModelConfig
+from rlcore.models.fused_layers import install_fused_layers
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, register
 from rlcore.single_controller.abandon import AbandonedCallError
@@ -90,6 +91,8 @@ class ActorWorker(FSDPTrainWorker):
         model_cfg = self.model_cfg
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
         model = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **load_kwargs(model_cfg))
+        if model_cfg.fused_layers:  # RMSNorm and the MLP's SiLU product as fused autograd functions (same bits)
+            install_fused_layers(model)
         # scores tokens without (B, T, V) logits; keeps up to actor.keep_logits_mb of them for the backward
         self.head = install_response_head(model, self.train_cfg.logits_chunk_mb, self.train_cfg.keep_logits_mb)
         # MoE: frozen routers (actor only) and router-replay hooks; None for a dense model

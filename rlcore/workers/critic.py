@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from rlcore.algos.losses import LossScale, compute_value_loss
 from rlcore.algos.stats import masked_mean
 from rlcore.models.config import ModelConfig, torch_dtype
+from rlcore.models.fused_layers import install_fused_layers
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, register
 from rlcore.typed_config import read_section
@@ -58,6 +59,8 @@ class CriticWorker(FSDPTrainWorker):
         self.device = setup_worker(self, self.config, self.train_cfg.seed)
         dtype = torch_dtype(model_cfg.dtype)
         backbone = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **load_kwargs(model_cfg)).base_model
+        if model_cfg.fused_layers:  # RMSNorm and the MLP's SiLU product as fused autograd functions (same bits)
+            install_fused_layers(backbone)
         if model_cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=dtype)

@@ -42,6 +42,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from rlcore.algos.losses import LossScale
 from rlcore.algos.preference import bradley_terry_loss
 from rlcore.models.config import ModelConfig
+from rlcore.models.fused_layers import install_fused_layers
 from rlcore.protocol import DataProto
 from rlcore.rewards.manager import RewardConfig
 from rlcore.single_controller import Dispatch, register
@@ -112,6 +113,8 @@ class RewardModelWorker(FSDPTrainWorker):
         self.hf_config = model.config
         self.body_prefix = model.base_model_prefix
         body = model.base_model
+        if self.trainable and model_cfg.fused_layers:  # RMSNorm and the MLP's SiLU product fused (same bits)
+            install_fused_layers(body)
         if self.trainable and model_cfg.gradient_checkpointing:
             body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module = ScalarHeadModel(body, model.score)
