@@ -129,6 +129,7 @@ def set_release_memory(worker, on: bool) -> None:
 
 def set_fused_layers(worker, on: bool) -> None:
     """``model.fused_layers`` on the actor's model between updates: its RMSNorms and MLPs fused or transformers'."""
+    from rlcore.models.fused_layers import install_fused_layers
 
     install_fused_layers(worker.module, on)
 
@@ -242,7 +243,6 @@ def main() -> None:
 
     from benchmarks.grpo_vs_trl import useful_flops
     from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
-    from rlcore.models.fused_layers import install_fused_layers
     from rlcore.models.gguf import resolve_model_path
 
     args.model = resolve_model_path(args.model)
