@@ -3,7 +3,7 @@
     python -m benchmarks.update [--model smollm2] [--repeats 3] [--micro-batch 16] [--token-budget N]
     python -m benchmarks.update --profile [--profile-rows 30]      # torch.profiler's table of one update
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
-    python -m benchmarks.update --release-memory 0,1 --repeats 4    # A/B of trainer.release_memory's heap trims
+    python -m benchmarks.update --release-memory 0,1 --repeats 4    # A/B of the heap trims (release_memory + trim_in_update)
     python -m benchmarks.update --fused-layers 0,1 --repeats 4        # A/B of model.fused_layers, alternating
     python -m benchmarks.update --fused-layers 0,1 --kept --train-dtype bfloat16 --token-budget 4096  # + what each keeps
     python -m benchmarks.update --trained-groups 6 --token-budget 4096   # as the recipes run it (below)
@@ -119,8 +119,9 @@ def build_actor(args):
 
 
 def set_release_memory(worker, on: bool) -> None:
-    """``trainer.release_memory`` on the actor worker between updates: its heap trims between layers hooked or not."""
-    worker.release_memory = on
+    """``trainer.release_memory`` with ``trainer.trim_in_update`` on the actor worker between updates: its heap
+    trims after the update, before each backward and between layers, or none."""
+    worker.release_memory = worker.trim_in_update = on
     if not on and worker._layer_trims:
         for handle in worker._layer_trims:
             handle.remove()

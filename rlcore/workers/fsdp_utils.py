@@ -39,7 +39,13 @@ from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
 from rlcore.models.moe import router_modules
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, Worker, register
-from rlcore.workers.config import TrainConfig, worker_deterministic, worker_device, worker_release_memory
+from rlcore.workers.config import (
+    TrainConfig,
+    worker_deterministic,
+    worker_device,
+    worker_release_memory,
+    worker_trim_in_update,
+)
 from rlcore.workers.grad_sync import accumulates_unsynced, drop_unsynced_grads
 from rlcore.workers.mismatch import STAND_IN
 from rlcore.workers.checkpoint import (  # noqa: F401 (load_checkpoint: rlcore.trainer.export's)
@@ -57,6 +63,7 @@ def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
     (and with ``trainer.deterministic``, switch its deterministic algorithms on in this process)."""
     device = worker_device(config)
     worker.release_memory = worker_release_memory(config)  # FSDPTrainWorker.run_updates
+    worker.trim_in_update = worker.release_memory and worker_trim_in_update(config)
     set_deterministic(worker_deterministic(config), device)
     worker.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -301,7 +308,8 @@ class FSDPTrainWorker(Worker):
     train_cfg: TrainConfig
     update_calls = 0  # seeds each call's shuffle, saved in checkpoints
     release_memory = False  # trainer.release_memory, set by setup_worker
-    _layer_trims = None  # with release_memory: the hooks that trim the heap between the update's layers
+    trim_in_update = False  # trainer.trim_in_update (with release_memory), set by setup_worker
+    _layer_trims = None  # with trim_in_update: the hooks that trim the heap between the update's layers
 
     @property
     def packs(self) -> bool:
@@ -369,7 +377,7 @@ class FSDPTrainWorker(Worker):
             raise ValueError(f"ppo_mini_batch_size={global_rows} must split evenly over {ws} ranks and divide "
                              f"each rank's {len(data)} rows")
         self.module.train()
-        if self.release_memory and self._layer_trims is None:  # the update's freed temporaries handed back
+        if self.trim_in_update and self._layer_trims is None:  # the update's freed temporaries handed back
             self._layer_trims = trim_between_layers([m for m in self.module.modules()
                                                      if isinstance(m, FSDPModule) and m is not self.module])
         metrics: dict[str, list[float]] = defaultdict(list)
@@ -401,7 +409,7 @@ class FSDPTrainWorker(Worker):
                     loss, micro_metrics = loss_fn(micro, scale)
                     if not counts:
                         loss = loss * 0.0  # a stand-in pass: the same collectives, no gradient
-                    if self.release_memory:  # what the forward freed between the activations it keeps: handed back
+                    if self.trim_in_update:  # what the forward freed between the activations it keeps: handed back
                         trim_heap()
                     loss.backward()
                     if counts:

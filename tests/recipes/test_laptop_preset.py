@@ -28,4 +28,5 @@ def test_the_laptop_preset_is_the_smollm2_preset_with_gradient_checkpointing_and
     assert a["actor.keep_logits_mb"] == 0  # the head recomputes its logits (actor.keep_logits_mb: 128 MiB kept by default)
     assert a["model.gradient_checkpointing"] is True and b["model.gradient_checkpointing"] is False
     assert a["trainer.release_memory"] is True  # the heap and the idle KV cache handed back: its peak counts on it
+    assert a["trainer.trim_in_update"] is True  # and inside the update too (the SmolLM2 preset's own setting)
     assert overridden.model.gradient_checkpointing is False  # overrides after it still win

@@ -263,7 +263,7 @@ def test_sampled_grpo_resumes_to_the_same_metrics(tmp_path, tiny_model, engine):
 @pytest.mark.vllm
 def test_grpo_that_gives_memory_back_learns_the_same(tmp_path, tiny_model):
     """``trainer.release_memory`` (the engine's packed weights let go through each update and packed
-    again by the sync, its KV cache between generations, the heap trimmed before each backward; the
+    again by the sync, its KV cache between generations; with ``trainer.trim_in_update`` the heap trimmed before each backward; the
     trims between layers come every 6th layer, none in this 2-layer model: tests/engines/test_host_memory.py)
     against a run that keeps everything: the same sampled tokens, metrics and final weights."""
     pytest.importorskip("vllm")
@@ -274,7 +274,8 @@ def test_grpo_that_gives_memory_back_learns_the_same(tmp_path, tiny_model):
     overrides = [f"model.path={tiny_model}", "trainer.backend=local", "rollout.do_sample=true", "actor.lr=5e-2",
                  "actor.ppo_mini_batch_size=2", f"reward.reward_fn={length_reward}:reward_by_length", *COMMON_RL, *rollout]
     runs = {flag: recipes.grpo.train(config("grpo", tmp_path, *overrides, f"trainer.run_name={flag}",
-                                            f"trainer.release_memory={flag}")) for flag in ("true", "false")}
+                                            f"trainer.release_memory={flag}", f"trainer.trim_in_update={flag}"))
+            for flag in ("true", "false")}
     released, kept = (comparable_metrics(runs[flag]) for flag in ("true", "false"))
     assert released == kept
     weights = {flag: load_file(str(runs[flag].dir / "hf" / "model.safetensors")) for flag in runs}
