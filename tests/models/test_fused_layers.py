@@ -10,6 +10,7 @@ from transformers import LlamaConfig, Qwen3Config
 from transformers.models.llama.modeling_llama import LlamaForCausalLM, LlamaMLP, LlamaRMSNorm
 
 from rlcore.models.fused_layers import install_fused_layers, rms_norm, silu_mul, swiglu_down
+from saved_bytes import saved_bytes
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -56,19 +57,6 @@ def test_silu_mul_gradient_is_the_derivative_in_float64():
     assert torch.autograd.gradcheck(silu_mul, (gate, up))
 
 
-def kept_bytes(fn) -> int:
-    """Bytes of the tensors autograd keeps for the backward of ``fn()`` (each storage once)."""
-    storages = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
-
-
 def test_fused_layers_keep_less_for_the_backward():
     """bf16 RMSNorm: the input (bf16) and a per-row fp32 scale, not an fp32 copy and a normalised one
     besides; the SiLU product: gate and up, not silu(gate) as well; with the down projection, not the
@@ -77,14 +65,14 @@ def test_fused_layers_keep_less_for_the_backward():
     norm = LlamaRMSNorm(h).to(torch.bfloat16)
     x = torch.randn(n, h, dtype=torch.bfloat16, requires_grad=True)
     weight = norm.weight.nbytes
-    assert kept_bytes(lambda: rms_norm(x, norm.weight, 1e-6)) == x.nbytes + weight + n * 4
-    assert kept_bytes(lambda: norm(x)) >= 2 * x.nbytes + x.nbytes + weight  # fp32 copy + bf16 normalised
+    assert saved_bytes(lambda: rms_norm(x, norm.weight, 1e-6)) == x.nbytes + weight + n * 4
+    assert saved_bytes(lambda: norm(x)) >= 2 * x.nbytes + x.nbytes + weight  # fp32 copy + bf16 normalised
     gate, up = (torch.randn(n, i, requires_grad=True) for _ in range(2))
-    assert kept_bytes(lambda: silu_mul(gate, up)) == 2 * gate.nbytes
-    assert kept_bytes(lambda: F.silu(gate) * up) == 3 * gate.nbytes
+    assert saved_bytes(lambda: silu_mul(gate, up)) == 2 * gate.nbytes
+    assert saved_bytes(lambda: F.silu(gate) * up) == 3 * gate.nbytes
     down = torch.nn.Linear(i, h)  # the MLP's whole tail: its product not kept as the projection's input either
-    assert kept_bytes(lambda: swiglu_down(gate, up, down)) == 2 * gate.nbytes + down.weight.nbytes
-    assert kept_bytes(lambda: down(F.silu(gate) * up)) == 4 * gate.nbytes + down.weight.nbytes
+    assert saved_bytes(lambda: swiglu_down(gate, up, down)) == 2 * gate.nbytes + down.weight.nbytes
+    assert saved_bytes(lambda: down(F.silu(gate) * up)) == 4 * gate.nbytes + down.weight.nbytes
 
 
 def tiny_config(cls=LlamaConfig, **overrides):

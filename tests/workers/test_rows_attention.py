@@ -11,6 +11,7 @@ from rlcore.workers.actor import ActorWorker
 from row_layouts import shared_layout
 from rlcore.workers.packing import (ROWS_KEYWORD, RowLayout, _layout_from_cu, _rows, _sdpa, _sdpa_fp32,
                                     packed_attention, packed_eager_attention)
+from saved_bytes import saved_bytes
 
 
 def contiguous_layout() -> tuple[RowLayout, int]:
@@ -49,19 +50,6 @@ def test_lean_rows_equal_the_plain_rows_bitwise(dtype, kv_heads, make_layout):
         assert g.dtype == w.dtype and g.shape == w.shape and g.is_contiguous() == w.is_contiguous()
         assert torch.equal(g, w)
     assert want[1].abs().sum() > 0
-
-
-def saved_bytes(fn) -> int:
-    """The bytes of the distinct storages autograd keeps for the backward of ``fn()``'s graph."""
-    storages: dict[int, int] = {}
-
-    def pack(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(storages.values())
 
 
 def test_lean_rows_keep_the_pack_not_its_fp32_rows():
