@@ -154,7 +154,7 @@ def run_rlcore(args) -> dict:
              for i, e in enumerate(examples)]
     tensors, non_tensors = collate_prompts(items, tok.pad_token_id)
     step_times, rewards, stages, trained, shared, flops = [], [], {}, [], [], {"generate": [], "update": []}
-    faults, system, user = {}, {}, {}
+    faults, major, system, user = {}, {}, {}, {}
     shape = ModelShape.from_config(AutoConfig.from_pretrained(args.model))
 
     def timed(stage, fn, *a):
@@ -164,6 +164,8 @@ def run_rlcore(args) -> dict:
         stages.setdefault(stage, []).append(time.perf_counter() - start)
         after = resource.getrusage(resource.RUSAGE_SELF)  # the kernel's share: page faults (fresh memory) and system time
         faults.setdefault(stage, []).append(after.ru_minflt - before.ru_minflt)
+        # read back from disk: code or files the kernel evicted meanwhile (e.g. a DAMON pageout scheme while the other side ran)
+        major.setdefault(stage, []).append(after.ru_majflt - before.ru_majflt)
         system.setdefault(stage, []).append(round(after.ru_stime - before.ru_stime, 3))
         user.setdefault(stage, []).append(round(after.ru_utime - before.ru_utime, 3))
         return out
@@ -189,7 +191,7 @@ def run_rlcore(args) -> dict:
     assert args.free_length or int(batch.batch["response_mask"].sum()) == rows * args.new_tokens
     return {"step_s": step_times, "reward": rewards, "torch_threads": threads, "stages_s": stages,
             "trained_rows_frac": trained, "shared_prompt_frac": shared, "train_dtype": train_dtype,
-            "sample_dtype": rollout_dtype, "flops": flops, "minor_faults": faults, "system_s": system,
+            "sample_dtype": rollout_dtype, "flops": flops, "minor_faults": faults, "major_faults": major, "system_s": system,
             "user_s": user}
 
 
@@ -443,7 +445,8 @@ def main() -> None:
         for stage, (flops, share) in limits[side].items():
             print(f"  {side:12s} {stage}: {flops / 1e9:.1f} GFLOP useful, {share:.0%} of the {dtype_of(r, stage)} peak")
         if "minor_faults" in r:
-            print(f"  {side:12s} per stage and step: minor page faults {r['minor_faults']}, CPU seconds user "
+            print(f"  {side:12s} per stage and step: minor page faults {r['minor_faults']}, major "
+                  f"{r.get('major_faults')}, CPU seconds user "
                   f"{r['user_s']}, system {r['system_s']}")
         if "trained_rows_frac" in r:
             print(f"  {side:12s} rows trained per step {[round(f, 2) for f in r['trained_rows_frac'][:10]]}, "

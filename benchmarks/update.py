@@ -292,7 +292,7 @@ def main() -> None:
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}, "
               f"shared_prompt_frac {metrics.get('actor/shared_prompt_frac', 0):.3f}; "
               f"CPU user {user_s:.1f} s, system {system_s:.1f} s, minor page faults {faults} "
-              f"({faults * mmap.PAGESIZE / 2**30:.2f} GiB), "
+              f"({faults * mmap.PAGESIZE / 2**30:.2f} GiB), major {after.ru_majflt - before.ru_majflt}, "
               f"machine's {', '.join(f'{k} +{vm[k] - vm_before[k]}' for k in vm)}",
               flush=True)
     for side, ts in times.items():
