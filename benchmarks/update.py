@@ -120,12 +120,9 @@ def build_actor(args):
 
 def set_release_memory(worker, on: bool) -> None:
     """``trainer.release_memory`` with ``trainer.trim_in_update`` on the actor worker between updates: its heap
-    trims after the update, before each backward and between layers, or none."""
+    trims after the update, before each backward and between layers, or none (the worker's next update
+    hooks its layers or unhooks them)."""
     worker.release_memory = worker.trim_in_update = on
-    if not on and worker._layer_trims:
-        for handle in worker._layer_trims:
-            handle.remove()
-        worker._layer_trims = None
 
 
 def set_fused_layers(worker, on: bool) -> None:

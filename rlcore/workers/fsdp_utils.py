@@ -380,6 +380,10 @@ class FSDPTrainWorker(Worker):
         if self.trim_in_update and self._layer_trims is None:  # the update's freed temporaries handed back
             self._layer_trims = trim_between_layers([m for m in self.module.modules()
                                                      if isinstance(m, FSDPModule) and m is not self.module])
+        elif not self.trim_in_update and self._layer_trims:  # switched off since (benchmarks/update.py's A/B)
+            for handle in self._layer_trims:
+                handle.remove()
+            self._layer_trims = None
         metrics: dict[str, list[float]] = defaultdict(list)
         seed = cfg.seed + self.update_calls
         stop = UpdateStop(self.module, self.device)  # a stopping run gives the update up before its first step
