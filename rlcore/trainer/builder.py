@@ -139,7 +139,9 @@ def init_ray(cfg: DictConfig) -> None:
         ray.init(address=address, **options)
     else:
         loopback_only_ray()
-        ray.init(address=address, num_cpus=t.ray_num_cpus, _system_config=worker_priority(), **options)
+        # "local", not None: with None, ray.init attaches to whatever cluster last wrote
+        # /tmp/ray/ray_current_cluster on this machine (a `ray start`, another program's test cluster)
+        ray.init(address="local", num_cpus=t.ray_num_cpus, _system_config=worker_priority(), **options)
     exit_during_startup()  # Ray's own SIGTERM handler exits with 15; the run's loop installs its own later
     phase(f"Ray ready ({'cluster at ' + address if address and address != 'local' else 'a local instance'}); "
           "starting the worker processes")

@@ -1,7 +1,9 @@
 """Run by test_multinode.py in a fresh process: one worker group across a 2-node Ray cluster.
 
 ``ray.cluster_utils.Cluster`` starts two raylets ("nodes") on this machine. Each node offers one
-CPU, so a pool of process_on_nodes=[1, 1] must put its ranks on different nodes.
+CPU, so a pool of process_on_nodes=[1, 1] must put its ranks on different nodes. The cluster's
+address file lands in the RAY_TMPDIR the test gives it, not /tmp/ray, where other tests' ray.init()
+would find it.
 """
 
 import json
