@@ -319,6 +319,9 @@ class TrainingRun:
         while it runs: its workers decide (``rlcore.workers.update_stop``), told they may (``permit_update``)."""
         self._update_returned()
         if self._abandonable and self._stop.requested and self._can_abandon:
+            # a signal that came while nothing was abandonable (between the loop's last check and this
+            # step's start) finds the step not begun: given up too, the step before it is what is saved
+            self._stop.abandoning = True
             raise StepAbandoned()
         if name in UPDATE_STAGES and self._abandonable:
             self._updating = True

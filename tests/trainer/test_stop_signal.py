@@ -18,6 +18,7 @@ import recipes.grpo
 from rlcore.models.tiny import build_tiny_model
 from rlcore.trainer.builder import Workers
 from rlcore.trainer.config import load_config
+from rlcore.trainer import loop
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.run_checkpoint import find_latest_checkpoint
 from rlcore.trainer.stop_signal import RunStopped, exit_during_startup
@@ -54,6 +55,31 @@ def test_a_signal_mid_step_saves_that_step_and_exits_with_its_code(tmp_path, cap
     assert find_latest_checkpoint(run.ckpt_dir) == (3, run.ckpt_dir / "global_step_3")
     assert f"stopped by {sig.name} after step 3; checkpoint {run.ckpt_dir / 'global_step_3'}" in capsys.readouterr().out
     assert signal.getsignal(sig) is before  # the previous handler is back once the run closed
+
+
+def test_a_signal_between_steps_gives_the_next_step_up_at_its_first_stage(tmp_path, capsys, monkeypatch):
+    """The signal lands after the loop checked for one and before step 3 began (while its start state is
+    captured): nothing is abandonable then, so the handler says it finishes the step; the step's first
+    stage finds it not begun and gives it up: step 2 is saved, with the data position step 3 began at."""
+    capture = loop.capture_rng_state
+
+    def capture_and_signal():
+        if run._step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return capture()
+
+    monkeypatch.setattr(loop, "capture_rng_state", capture_and_signal)
+    run = start(tmp_path)
+    with pytest.raises(RunStopped) as stopped:
+        with run:
+            for step in run.steps():
+                with run.timer("gen"):
+                    pass
+                run.end_step(step, {"x": float(step)})
+    assert stopped.value.code == 143
+    assert [r["step"] for r in read_jsonl_metrics(run.dir / "metrics.jsonl")] == [1, 2]
+    assert find_latest_checkpoint(run.ckpt_dir) == (2, run.ckpt_dir / "global_step_2")
+    assert "stopped by SIGTERM during step 3 (abandoned)" in capsys.readouterr().out
 
 
 def test_a_second_signal_exits_at_once_and_none_leaves_the_run_alone(tmp_path):
