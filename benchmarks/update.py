@@ -5,6 +5,7 @@
     python -m benchmarks.update --keep-logits-mb 0,128 --repeats 4    # A/B of the head's recompute, alternating
     python -m benchmarks.update --release-memory 0,1 --repeats 4    # A/B of the heap trims (release_memory + trim_in_update)
     python -m benchmarks.update --fused-layers 0,1 --repeats 4        # A/B of model.fused_layers, alternating
+    python -m benchmarks.update --head-mb 64:128,96:192 --repeats 8   # A/B of actor.logits_chunk_mb:keep_logits_mb
     python -m benchmarks.update --fused-layers 0,1 --kept --train-dtype bfloat16 --token-budget 4096  # + what each keeps
     python -m benchmarks.update --trained-groups 6 --token-budget 4096   # as the recipes run it (below)
 
@@ -132,16 +133,31 @@ def set_fused_layers(worker, on: bool) -> None:
     install_fused_layers(worker.module, on)
 
 
+def shown(side) -> str:
+    """An A/B side as printed: 64, 1, or 96:192 for a pair."""
+    return ":".join(f"{x:g}" for x in side) if isinstance(side, tuple) else f"{side:g}"
+
+
+def set_head_mb(worker, chunk_mb: float, keep_mb: float) -> None:
+    """``actor.logits_chunk_mb`` and ``actor.keep_logits_mb`` on the actor's head between updates: how many
+    positions' fp32 logits it scores at once, and how many it keeps for the backward (rlcore.algos.token_scores)."""
+    from rlcore.algos.token_scores import chunk_tokens_for
+
+    worker.head.chunk_tokens = chunk_tokens_for(worker.head.out_features, chunk_mb)
+    worker.head.keep_logits(keep_mb)
+
+
 def ab_knobs(args) -> list[tuple[str, list | None]]:
     """The settings an A/B alternates between updates (the first one given on the command line)."""
     return [("keep_logits_mb", args.keep_logits_mb), ("release_memory", args.release_memory),
-            ("fused_layers", args.fused_layers)]
+            ("fused_layers", args.fused_layers), ("head_mb", args.head_mb)]
 
 
 SETTERS = {  # each knob set on the live worker between updates
     "keep_logits_mb": lambda worker, mb: worker.head.keep_logits(mb),  # rlcore.workers.response_head
     "release_memory": set_release_memory,
     "fused_layers": lambda worker, on: set_fused_layers(worker, on),
+    "head_mb": lambda worker, mbs: set_head_mb(worker, *mbs),
 }
 
 KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
@@ -231,6 +247,8 @@ def main() -> None:
                              "the update), alternating: e.g. 0,1")
     parser.add_argument("--fused-layers", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
                         help="model.fused_layers (1 on, 0 off); both (0,1): the timed updates alternate between them")
+    parser.add_argument("--head-mb", type=lambda v: [tuple(float(y) for y in x.split(":")) for x in v.split(",")],
+                        default=None, help="A/B of actor.logits_chunk_mb:actor.keep_logits_mb pairs, e.g. 64:128,96:192")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up per A/B side")
     parser.add_argument("--kept", action="store_true", help="one more update per side, counting what autograd keeps")
     parser.add_argument("--profile", action="store_true")
@@ -284,7 +302,7 @@ def main() -> None:
             times[side].append(seconds)
             cpu[side].append(user_s + system_s)
         label = " (warm-up)" if warm else ""
-        label += "" if side is None else f" {knob}={side:g}"
+        label += "" if side is None else f" {knob}={shown(side)}"
         print(f"update {i}{label}: {seconds:.2f} s, MFU {mfu(flops, seconds, peak):.1%}, "
               f"loss {metrics['actor/loss']:.6f}, grad_norm {metrics['actor/grad_norm']:.4f}, "
               f"shared_prompt_frac {metrics.get('actor/shared_prompt_frac', 0):.3f}; "
@@ -295,7 +313,7 @@ def main() -> None:
     for side, ts in times.items():
         if ts:
             best, med = min(ts), statistics.median(ts)
-            label = "" if side is None else f"{knob}={side:g}: "
+            label = "" if side is None else f"{knob}={shown(side)}: "
             label += f"CPU median {statistics.median(cpu[side]):.2f} s, "
             print(f"{label}median {med:.2f} s (best {best:.2f}): MFU {mfu(flops, med, peak):.1%} "
                   f"(best {mfu(flops, best, peak):.1%})")
@@ -306,7 +324,7 @@ def main() -> None:
             SETTERS[knob](worker, side)
         sizes = kept_bytes(worker.module, lambda: actor.update_policy(batch))
         most = max(sizes)
-        label = "" if side is None else f"{knob}={side:g}: "
+        label = "" if side is None else f"{knob}={shown(side)}: "
         total, tokens = sum(b for b, _ in sizes), sum(t for _, t in sizes)
         print(f"{label}kept for the backward: largest micro-batch {most[0] / 2**30:.3f} GiB ({most[1]} tokens); "
               f"{len(sizes)} micro-batches {total / 2**30:.3f} GiB for {tokens} tokens, "

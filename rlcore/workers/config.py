@@ -109,8 +109,9 @@ class ActorConfig(TrainConfig, PolicyLossConfig):
     """The ``actor`` section: the policy's optimisation, its loss and the loss's extra terms."""
 
     entropy_coeff: float = 0.0  # loss -= entropy_coeff * entropy
-    logits_chunk_mb: float = 64.0  # log-probs / entropy from the LM head this many MiB of fp32 logits at a time (rlcore.algos.token_scores)
-    keep_logits_mb: float = 128.0  # up to this many MiB of a micro-batch's logits kept for its backward, not recomputed (0: none)
+    # 96: SmolLM2's 16 x 32 response positions make one chunk, whose head matmuls made the update 2.7% faster than 64's two
+    logits_chunk_mb: float = 96.0  # log-probs / entropy from the LM head this many MiB of fp32 logits at a time (rlcore.algos.token_scores)
+    keep_logits_mb: float = 192.0  # up to this many MiB of a micro-batch's logits kept for its backward, not recomputed (0: none)
     skip_zero_advantage_rows: bool = True  # rows whose advantages are all 0 skip forward/backward where their gradient is exactly 0
     use_kl_loss: bool = False  # loss += kl_loss_coef * KL(pi || ref) (needs ref_log_prob: the ref role)
     kl_loss_coef: float = 0.001  # weight of that KL term in the loss
