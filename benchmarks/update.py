@@ -6,6 +6,7 @@
     python -m benchmarks.update --release-memory 0,1 --repeats 4    # A/B of the heap trims (release_memory + trim_in_update)
     python -m benchmarks.update --fused-layers 0,1 --repeats 4        # A/B of model.fused_layers, alternating
     python -m benchmarks.update --head-mb 64:128,96:192 --repeats 8   # A/B of actor.logits_chunk_mb:keep_logits_mb
+    python -m benchmarks.update --keep-large-blocks 0,1 --repeats 8   # A/B of trainer.keep_large_blocks
     python -m benchmarks.update --fused-layers 0,1 --kept --train-dtype bfloat16 --token-budget 4096  # + what each keeps
     python -m benchmarks.update --trained-groups 6 --token-budget 4096   # as the recipes run it (below)
 
@@ -138,6 +139,16 @@ def shown(side) -> str:
     return ":".join(f"{x:g}" for x in side) if isinstance(side, tuple) else f"{side:g}"
 
 
+def set_keep_large_blocks(on: bool) -> None:
+    """``trainer.keep_large_blocks`` for this process between updates: glibc's heap keeps large freed blocks, or
+    maps and unmaps each (its defaults; the heap trimmed first, so the side starts from what it would keep)."""
+    from rlcore.engines.host_memory import keep_large_blocks, trim_heap
+
+    trim_heap()
+    if not keep_large_blocks(on):
+        raise SystemExit("--keep-large-blocks needs glibc's mallopt")
+
+
 def set_head_mb(worker, chunk_mb: float, keep_mb: float) -> None:
     """``actor.logits_chunk_mb`` and ``actor.keep_logits_mb`` on the actor's head between updates: how many
     positions' fp32 logits it scores at once, and how many it keeps for the backward (rlcore.algos.token_scores)."""
@@ -150,7 +161,8 @@ def set_head_mb(worker, chunk_mb: float, keep_mb: float) -> None:
 def ab_knobs(args) -> list[tuple[str, list | None]]:
     """The settings an A/B alternates between updates (the first one given on the command line)."""
     return [("keep_logits_mb", args.keep_logits_mb), ("release_memory", args.release_memory),
-            ("fused_layers", args.fused_layers), ("head_mb", args.head_mb)]
+            ("fused_layers", args.fused_layers), ("head_mb", args.head_mb),
+            ("keep_large_blocks", args.keep_large_blocks)]
 
 
 SETTERS = {  # each knob set on the live worker between updates
@@ -158,6 +170,7 @@ SETTERS = {  # each knob set on the live worker between updates
     "release_memory": set_release_memory,
     "fused_layers": lambda worker, on: set_fused_layers(worker, on),
     "head_mb": lambda worker, mbs: set_head_mb(worker, *mbs),
+    "keep_large_blocks": lambda worker, on: set_keep_large_blocks(on),
 }
 
 KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
@@ -249,6 +262,8 @@ def main() -> None:
                         help="model.fused_layers (1 on, 0 off); both (0,1): the timed updates alternate between them")
     parser.add_argument("--head-mb", type=lambda v: [tuple(float(y) for y in x.split(":")) for x in v.split(",")],
                         default=None, help="A/B of actor.logits_chunk_mb:actor.keep_logits_mb pairs, e.g. 64:128,96:192")
+    parser.add_argument("--keep-large-blocks", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
+                        help="A/B of trainer.keep_large_blocks (0,1): glibc's heap keeps large freed blocks")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up per A/B side")
     parser.add_argument("--kept", action="store_true", help="one more update per side, counting what autograd keeps")
     parser.add_argument("--profile", action="store_true")

@@ -200,6 +200,12 @@ def worker_release_memory(config: Mapping | DictConfig | Any) -> bool:
     return bool(trainer_setting(config, "release_memory", True))
 
 
+def worker_keep_large_blocks(config: Mapping | DictConfig | Any) -> bool:
+    """``trainer.keep_large_blocks`` of a run config (default on): the worker's process serves large blocks from
+    glibc's heap and keeps freed memory there within a phase (``rlcore.engines.host_memory.keep_large_blocks``)."""
+    return bool(trainer_setting(config, "keep_large_blocks", True))
+
+
 def worker_trim_in_update(config: Mapping | DictConfig | Any) -> bool:
     """``trainer.trim_in_update`` of a run config (default off): with ``release_memory``, glibc's heap is
     trimmed inside each update as well, before each backward and between its layers

@@ -32,7 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from rlcore.algos.losses import LossScale
 from rlcore.algos.seqlen_balancing import rearrange_micro_batches
 from rlcore.engines.layout import crop_padding, pad_back
-from rlcore.engines.host_memory import trim_between_layers, trim_heap
+from rlcore.engines.host_memory import keep_large_blocks, trim_between_layers, trim_heap
 from rlcore.engines.seeding import set_deterministic
 from rlcore.engines.server import push_buckets
 from rlcore.engines.weights import DEFAULT_BUCKET_BYTES, pack_buckets
@@ -43,6 +43,7 @@ from rlcore.workers.config import (
     TrainConfig,
     worker_deterministic,
     worker_device,
+    worker_keep_large_blocks,
     worker_release_memory,
     worker_trim_in_update,
 )
@@ -64,6 +65,8 @@ def setup_worker(worker: Worker, config: Any, seed: int) -> torch.device:
     device = worker_device(config)
     worker.release_memory = worker_release_memory(config)  # FSDPTrainWorker.run_updates
     worker.trim_in_update = worker.release_memory and worker_trim_in_update(config)
+    if worker_keep_large_blocks(config):  # before the model's weights and the update's blocks are allocated
+        keep_large_blocks()
     set_deterministic(worker_deterministic(config), device)
     worker.init_distributed(backend="nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":

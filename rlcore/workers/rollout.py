@@ -31,14 +31,14 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from rlcore.engines import Engine, RolloutConfig, SamplingSettings, build_engine, set_deterministic
-from rlcore.engines.host_memory import trim_heap
+from rlcore.engines.host_memory import keep_large_blocks, trim_heap
 from rlcore.engines.layout import build_output, check_left_padded, pad_rollout
 from rlcore.models.config import ModelConfig
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, DispatchMode, Worker, register
 from rlcore.single_controller.decorator import collect_dp_proto, resolve_dispatch_mode
 from rlcore.typed_config import read_section
-from rlcore.workers.config import worker_deterministic, worker_device, worker_release_memory
+from rlcore.workers.config import worker_deterministic, worker_device, worker_keep_large_blocks, worker_release_memory
 
 PROMPT_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -97,12 +97,15 @@ class RolloutWorker(Worker):
         self.device = str(worker_device(config))
         self.deterministic = worker_deterministic(config)
         self.release_memory = worker_release_memory(config)
+        self._keep_large_blocks = worker_keep_large_blocks(config)
         self.engine: Engine | None = None
         self._tok = None  # the tokenizer episode runners encode with, loaded on first use
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:
         set_deterministic(self.deterministic, self.device)  # before vLLM is imported: it reads the env then
+        if self._keep_large_blocks:  # the sampler's per-step blocks reused, not mapped and faulted in afresh
+            keep_large_blocks()
         self.engine = build_engine(self.model_config, self.config, device=self.device, rank=self.rank)
 
     @register(dispatch_mode=DP_COMPUTE_ROLLOUT)

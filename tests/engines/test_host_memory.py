@@ -70,6 +70,39 @@ def test_released_pages_read_as_zeros_and_are_taken_again_when_written(readings)
     assert r["rewritten"] - r["after_release"] > 60 * MIB and r["twos"]
 
 
+# A 100 MiB tensor made and freed five times (over glibc's mmap threshold, which is 32 MiB at most), then
+# the minor page faults each of the last four took: with keep_large_blocks, the heap keeps the freed block
+# and the next one reuses its pages; without, each is mapped afresh and every page faulted in again.
+REUSE_CHILD = """
+import json, resource, sys, torch
+from rlcore.engines.host_memory import keep_large_blocks
+
+took = keep_large_blocks() if sys.argv[1] == "keep" else None
+faults = []
+for _ in range(5):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    block = torch.ones(25 * 2**20)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    del block
+print(json.dumps({"took": took, "faults": faults[1:]}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["keep", "default"])
+def test_keep_large_blocks_reuses_a_freed_large_block_without_faulting_it_in_again(mode):
+    done = subprocess.run([sys.executable, "-c", REUSE_CHILD, mode], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    r = json.loads(done.stdout.strip().splitlines()[-1])
+    pages = 100 * MIB // 4096
+    if mode == "keep":
+        assert r["took"] is True
+        # the same heap pages again (once, a small block freed-and-taken between two can push the next
+        # one up past the heap's top: those pages are new; [0, 25600, 0, 0] was seen)
+        assert sum(r["faults"]) < 1.5 * pages and sorted(r["faults"])[1] < pages // 20, r
+    else:
+        assert min(r["faults"]) > pages * 0.9, r  # every page of every block faulted in
+
+
 @pytest.mark.parametrize("checkpointed", [False, True])
 def test_the_backward_trims_once_per_layer_and_leaves_the_gradients_alone(monkeypatch, checkpointed):
     """``trim_between_layers``: one trim after each hooked layer's forward and one as the backward reaches
