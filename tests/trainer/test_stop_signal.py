@@ -16,34 +16,21 @@ from hydra import compose, initialize_config_dir
 
 import recipes.grpo
 from rlcore.models.tiny import build_tiny_model
-from rlcore.trainer.builder import Workers
-from rlcore.trainer.config import load_config
 from rlcore.trainer import loop
-from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.run_checkpoint import find_latest_checkpoint
 from rlcore.trainer.stop_signal import RunStopped, exit_during_startup
 from rlcore.trainer.tracking import read_jsonl_metrics
 
-from run_stubs import EmptyLoader
+from run_stubs import bookkeeping_run
 
 REPO = Path(recipes.grpo.__file__).resolve().parent.parent
 
-
-class NoGroup:
-    def shutdown(self):
-        pass
-
-
-def start(tmp_path, **trainer) -> TrainingRun:
-    cfg = load_config({"trainer": {"output_dir": str(tmp_path), "loggers": ["jsonl"], "val_freq": 0, "save_freq": 0,
-                                   "total_steps": 10, **trainer}}, ["trainer"])
-    return TrainingRun(cfg, Workers(group=NoGroup()), EmptyLoader(), validate=dict)
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_signal_mid_step_saves_that_step_and_exits_with_its_code(tmp_path, capsys, sig, code):
     before = signal.getsignal(sig)
-    run = start(tmp_path)
+    run = bookkeeping_run(tmp_path)
     with pytest.raises(RunStopped) as stopped:
         with run:
             for step in run.steps():
@@ -69,7 +56,7 @@ def test_a_signal_between_steps_gives_the_next_step_up_at_its_first_stage(tmp_pa
         return capture()
 
     monkeypatch.setattr(loop, "capture_rng_state", capture_and_signal)
-    run = start(tmp_path)
+    run = bookkeeping_run(tmp_path)
     with pytest.raises(RunStopped) as stopped:
         with run:
             for step in run.steps():
@@ -83,7 +70,7 @@ def test_a_signal_between_steps_gives_the_next_step_up_at_its_first_stage(tmp_pa
 
 
 def test_a_second_signal_exits_at_once_and_none_leaves_the_run_alone(tmp_path):
-    run = start(tmp_path)
+    run = bookkeeping_run(tmp_path)
     with pytest.raises(RunStopped) as stopped:
         with run:
             for step in run.steps():
@@ -92,7 +79,7 @@ def test_a_second_signal_exits_at_once_and_none_leaves_the_run_alone(tmp_path):
                 run.end_step(step, {"x": 1.0})
     assert stopped.value.code == 143
     assert find_latest_checkpoint(run.ckpt_dir) is None and not (run.dir / "metrics.jsonl").read_text()
-    quiet = start(tmp_path / "other")
+    quiet = bookkeeping_run(tmp_path / "other")
     with quiet:
         for step in quiet.steps():
             quiet.end_step(step, {"x": 1.0})

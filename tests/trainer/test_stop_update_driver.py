@@ -9,30 +9,17 @@ import pytest
 
 from rlcore.single_controller import abandon
 from rlcore.single_controller.abandon import AbandonedCallError
-from rlcore.trainer.builder import Workers
-from rlcore.trainer.config import load_config
-from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.run_checkpoint import find_latest_checkpoint
 from rlcore.trainer.stop_signal import RunStopped
 from rlcore.trainer.tracking import read_jsonl_metrics
 
-from run_stubs import EmptyLoader
+from run_stubs import bookkeeping_run
 
-
-class NoGroup:
-    def shutdown(self):
-        pass
-
-
-def start(tmp_path) -> TrainingRun:
-    cfg = load_config({"trainer": {"output_dir": str(tmp_path), "loggers": ["jsonl"], "val_freq": 0, "save_freq": 0,
-                                   "total_steps": 10}}, ["trainer"])
-    return TrainingRun(cfg, Workers(group=NoGroup()), EmptyLoader(), validate=dict)
 
 
 def test_only_the_steps_first_update_is_permitted_to_be_given_up(tmp_path):
     seen = []
-    with start(tmp_path) as run:
+    with bookkeeping_run(tmp_path) as run:
         for step in run.steps():
             for stage in ("gen", "adv", "update_critic", "update_actor", "sync_weights"):
                 with run.timer(stage):
@@ -50,7 +37,7 @@ def test_only_the_steps_first_update_is_permitted_to_be_given_up(tmp_path):
     ("failed", None, "the update failed after the stop, so nothing new is saved: RuntimeError"),
 ])
 def test_what_is_saved_after_a_signal_during_the_steps_first_update(tmp_path, capsys, outcome, saved, said):
-    run = start(tmp_path)
+    run = bookkeeping_run(tmp_path)
     with pytest.raises(RunStopped) as stopped:
         with run:
             for step in run.steps():
