@@ -168,7 +168,7 @@ def ab_knobs(args) -> list[tuple[str, list | None]]:
 SETTERS = {  # each knob set on the live worker between updates
     "keep_logits_mb": lambda worker, mb: worker.head.keep_logits(mb),  # rlcore.workers.response_head
     "release_memory": set_release_memory,
-    "fused_layers": lambda worker, on: set_fused_layers(worker, on),
+    "fused_layers": set_fused_layers,
     "head_mb": lambda worker, mbs: set_head_mb(worker, *mbs),
     "keep_large_blocks": lambda worker, on: set_keep_large_blocks(on),
 }
