@@ -136,6 +136,8 @@ def run_rlcore(args) -> dict:
                   "use_dynamic_bsz": bool(args.token_budget), "ppo_max_token_len_per_gpu": args.token_budget or 16384,
                   "skip_zero_advantage_rows": args.skip_zero_advantage_rows},
     }
+    if args.release_memory is not None:  # else the trainer's default (rlcore.trainer.config)
+        config["trainer"] = {"release_memory": args.release_memory}
     group = LocalWorkerGroup(create_colocated_worker_cls({
         "actor": ClassWithInitArgs(ActorWorker, config), "rollout": ClassWithInitArgs(RolloutWorker, config)}))
     roles = group.spawn({"actor", "rollout"})
@@ -261,7 +263,7 @@ class Side:
 
     def __init__(self, name: str, args, backend: str | None = None) -> None:
         skip = ("side", "free_length", "skip_zero_advantage_rows", "trl_bf16", "backends", "json", "quick", "backend",
-                "shared_prompts", "interleave", "dtype")
+                "shared_prompts", "interleave", "dtype", "release_memory")
         cmd = [sys.executable, os.path.abspath(__file__), "--side", name.split("-")[0]] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in skip and v is not None]
         cmd += ["--free-length"] if args.free_length else []
@@ -269,6 +271,7 @@ class Side:
         cmd += ["--trl-bf16"] if args.trl_bf16 else []
         cmd += [] if args.shared_prompts else ["--no-shared-prompts"]
         cmd += ["--interleave"] if args.interleave else ["--no-interleave"]
+        cmd += [] if args.release_memory is None else [f"--{'' if args.release_memory else 'no-'}release-memory"]
         cmd += [f"--backend={backend}"] if backend else []
         self.name, self.timeout_s = name, args.timeout_s
         self.err = tempfile.TemporaryFile(mode="w+")
@@ -379,6 +382,9 @@ def main() -> None:
                         help="rlcore leaves rows with all-zero advantages out of the update (its default in the recipes); "
                              "off here so that both sides train on every row: a random-init model scores 0 on every "
                              "sample, and skipping would leave rlcore nothing to train")
+    parser.add_argument("--release-memory", default=None, action=argparse.BooleanOptionalAction,
+                        help="rlcore's trainer.release_memory (default: the trainer's own, off): the heap trimmed and vLLM's "
+                             "KV cache dropped between phases, less memory for the page faults that take it back")
     parser.add_argument("--free-length", action="store_true",
                         help="stop at eos instead of forcing --new-tokens tokens (for reward curves)")
     parser.add_argument("--timeout-s", type=float, default=7200.0, help="limit of one side's subprocess")

@@ -127,9 +127,11 @@ class TrainerConfig:
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)  # stalled phases named, their stacks written
     check: CheckConfig = field(default_factory=CheckConfig)  # the consistency check (rlcore.trainer.consistency)
     memory_watch_s: float = 5.0  # seconds between readings of the run's processes' PSS (rlcore.trainer.process_memory); 0: off
-    release_memory: bool = True  # free heap pages given back after each update and sync, vLLM's KV cache between
-                                 # generations and (recipes/grpo.py) its weights through the update
-                                 # (rlcore.engines.host_memory); the SmolLM2 preset: 6.66 -> 5.93-5.98 GiB, and less since
+    release_memory: bool = False  # free heap pages given back after each update and sync, vLLM's KV cache between
+                                  # generations and (recipes/grpo.py) its weights through the update
+                                  # (rlcore.engines.host_memory): the SmolLM2 preset 6.66 -> 5.93-5.98 GiB, on there; off by
+                                  # default, as every page given back is faulted in again by the next phase (fp32 update
+                                  # at SmolLM2 26.5 -> 25.2 s alone, more beside other jobs; docs/benchmarks.md)
     trim_in_update: bool = False  # with release_memory, the heap trimmed inside each update too (before each backward,
                                   # between its layers): ~0.5 GiB lower peak, +12% of the update (pages faulted in
                                   # again); on in the SmolLM2 presets (docs/real_models.md, "Memory")

@@ -123,7 +123,8 @@ class ActorWorker(FSDPTrainWorker):
         if self.moe is not None:
             self.moe.before_forward(micro, inputs.packed)  # router replay: this micro-batch's recorded experts
             moe_kwargs["output_router_logits"] = True
-        with self.head.scoring(inputs.labels, meta.get("temperature", 1.0), meta.get("top_k", 0), meta.get("top_p", 1.0)):
+        with self.head.scoring(inputs.labels, meta.get("temperature", 1.0), meta.get("top_k", 0), meta.get("top_p", 1.0),
+                               entropy_grad=bool(self.train_cfg.entropy_coeff)):
             out = self.module(**inputs.kwargs, use_cache=False, logits_to_keep=inputs.keep, **moe_kwargs)
         self._router_logits = out.router_logits if self.moe is not None else None  # for _loss's MoE terms
         self._router_mask = None if inputs.packed is not None else micro.batch["attention_mask"]  # packed: all valid

@@ -194,10 +194,11 @@ def worker_deterministic(config: Mapping | DictConfig | Any) -> bool:
 
 
 def worker_release_memory(config: Mapping | DictConfig | Any) -> bool:
-    """``trainer.release_memory`` of a run config (default on): workers hand the memory a phase freed back
-    to the machine in their own process (``rlcore.engines.host_memory``): glibc's free heap pages after
-    an update and a weight sync, a vLLM engine's KV cache between generations."""
-    return bool(trainer_setting(config, "release_memory", True))
+    """``trainer.release_memory`` of a run config (default off; on in the SmolLM2 presets): workers hand the
+    memory a phase freed back to the machine in their own process (``rlcore.engines.host_memory``): glibc's
+    free heap pages after an update and a weight sync, a vLLM engine's KV cache between generations. Off,
+    the next phase finds those pages still mapped instead of faulting each one in again."""
+    return bool(trainer_setting(config, "release_memory", False))
 
 
 def worker_keep_large_blocks(config: Mapping | DictConfig | Any) -> bool:

@@ -20,6 +20,8 @@ filled behind its end; GQA-aware), which on CPU is the flash kernel, without any
 ``model.attn_implementation=eager``, the same layout through eager math (``PACKED_EAGER``). Training
 on CPU, the rows' SDPA runs through ``rlcore.workers.rows_attention``: the same kernel calls and bits, but
 its backward keeps the pack's own q, k, v, not the rows' fp32 copies (0.85 GiB less at SmolLM2's GRPO step).
+A pack with shared prompts on CPU runs as two flash calls instead (``rlcore.workers.split_rows``: each
+row's response queries over its whole sequence, the prompts' queries once), with the same economy.
 ``model.attn_implementation=flash_attention_2`` (the flash-attn package) is used as it is: it reads
 the same keywords.
 
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from rlcore.models.config import ModelConfig
-from rlcore.workers import rows_attention, shared_varlen
+from rlcore.workers import rows_attention, shared_varlen, split_rows
 from rlcore.workers.response_head import scored_positions
 
 PACKED_ATTENTION = "rlcore_packed"  # the attn_implementation name the trained roles load with when packing
@@ -81,6 +83,16 @@ class RowLayout:
     def varlen(self) -> shared_varlen.VarlenIndex:
         """The varlen call's query and key boundaries (``shared_varlen.varlen_index``), built once per pack."""
         return shared_varlen.varlen_index(self.source, self.take, self.rows, self.max_len)
+
+    @cached_property
+    def split(self) -> split_rows.SplitIndex | None:
+        """The two CPU flash calls' index (``split_rows.split_index``), built once per pack; None where no
+        row borrows a prompt, or where a row's stored tokens are not the tail of its sequence (``varlen``'s check)."""
+        try:
+            self.varlen
+        except ValueError:
+            return None
+        return split_rows.split_index(self.source, self.take, self.rows, self.max_len)
 
 
 @dataclass(frozen=True)
@@ -388,6 +400,10 @@ def _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs,
             _refused(exc)
     if layout is None:
         layout = _layout_from_cu(cu, int(kwargs.get("max_length_q") or 0), query.shape[2], query.device)
+    if (inner is not _eager and query.device.type == "cpu" and not dropout and layout.split is not None
+            and rows_attention.flash_chosen(query, key)):  # a shared-prompt pack: each prompt's queries once
+        calls[shared_varlen.SPLIT_ROWS] += 1
+        return split_rows.SplitRows.apply(query, key, value, layout.split, scaling), None
     calls[shared_varlen.ROWS_EAGER if inner is _eager else shared_varlen.ROWS_SDPA] += 1
     if inner is not _eager and rows_attention.applies(query, key, value, dropout):  # the same numbers, less kept
         return rows_attention.FlashRows.apply(query, key, value, layout.source.to(query.device),

@@ -33,7 +33,12 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout: float) -
         return False
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
-    probe = [t.new_empty((1, t.shape[1], 2, t.shape[3]), dtype=torch.float32) for t in (q, k, v)]
+    return flash_chosen(q, k)
+
+
+def flash_chosen(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether SDPA picks its flash kernel for fp32 rows of these heads (head size, GQA) on q's device."""
+    probe = [t.new_empty((1, t.shape[1], 2, t.shape[3]), dtype=torch.float32) for t in (q, k, k)]
     return torch._fused_sdp_choice(*probe, None, 0.0, True, scale=None, enable_gqa=q.shape[1] != k.shape[1]) == _FLASH
 
 

@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - older torch
 SHARED_VARLEN = "varlen_shared"  # torch varlen_attn over a shared-prompt pack (cu_q != cu_k)
 VARLEN = "varlen"  # torch varlen_attn over contiguous rows (cu_q == cu_k)
 ROWS_SDPA = "rows_sdpa"  # batched causal SDPA over the pack's rows laid side by side (packing._rows)
+SPLIT_ROWS = "rows_split"  # CPU: a shared-prompt pack as two flash calls, each prompt's queries once (split_rows)
 ROWS_EAGER = "rows_eager"  # the same with eager math (model.attn_implementation=eager)
 UNPACKED = "unpacked"  # no pack: one causal call over the sequence
 KERNEL_CALLS: Counter = Counter()  # attention calls per kernel run in this process (one per layer per forward)
@@ -141,11 +142,14 @@ def reference_varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.T
 def choose_kernel(device_type: str, dtype: torch.dtype, dropout: float, refused: list[str],
                   eager: bool = False) -> tuple[str, str]:
     """(kernel, why) for a shared-prompt pack's attention: ``SHARED_VARLEN`` on CUDA in bf16/fp16 where
-    this torch has ``varlen_attn`` and it has not refused in this process; else ``ROWS_SDPA`` (or
+    this torch has ``varlen_attn`` and it has not refused in this process; ``SPLIT_ROWS`` on CPU (where
+    SDPA's flash kernel takes the head size, as for SmolLM2 and Qwen2.5); else ``ROWS_SDPA`` (or
     ``ROWS_EAGER``) and the first reason it is not varlen."""
     rows = ROWS_EAGER if eager else ROWS_SDPA
     if eager:
         return rows, "model.attn_implementation=eager"
+    if device_type == "cpu" and not dropout:
+        return SPLIT_ROWS, "device cpu: varlen_attn is CUDA-only; two flash calls, each prompt's queries once"
     if device_type != "cuda":
         return rows, f"device {device_type}: varlen_attn is CUDA-only"
     if dtype not in (torch.bfloat16, torch.float16):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
-from rlcore.workers import rows_attention
+from rlcore.workers import rows_attention, split_rows
 from rlcore.workers.actor import ActorWorker
 from row_layouts import shared_layout
 from rlcore.workers.packing import (ROWS_KEYWORD, RowLayout, _layout_from_cu, _rows, _sdpa, _sdpa_fp32,
@@ -73,9 +73,10 @@ class _Attn(torch.nn.Module):
 
 
 def test_packed_attention_takes_the_lean_rows_only_where_they_apply():
-    """Training on CPU with a layout: the lean rows (same output); no gradient wanted, dropout, or the
-    eager kernel: the plain path."""
-    layout, n = shared_layout()
+    """Training on CPU with a layout of contiguous rows: the lean rows (same output); no gradient wanted,
+    dropout, or the eager kernel: the plain path. A layout with a shared prompt takes the split rows
+    (rlcore.workers.split_rows, tests/workers/test_split_rows.py), with a gradient or without."""
+    layout, n = contiguous_layout()
     q, k, v = qkv(n, 2, torch.bfloat16)
     kw = {ROWS_KEYWORD: layout, "scaling": 0.3}
     out, _ = packed_attention(_Attn().train(), q, k, v, None, **kw)
@@ -86,13 +87,20 @@ def test_packed_attention_takes_the_lean_rows_only_where_they_apply():
     assert not rows_attention.applies(q, k, v, 0.1)
     eager, _ = packed_eager_attention(_Attn().train(), q, k, v, None, **kw)
     assert type(eager.grad_fn).__name__ != "FlashRowsBackward"
+    shared, n = shared_layout()
+    q, k, v = qkv(n, 2, torch.bfloat16)
+    out, _ = packed_attention(_Attn().train(), q, k, v, None, **{ROWS_KEYWORD: shared, "scaling": 0.3})
+    assert type(out.grad_fn).__name__ == "SplitRowsBackward"
+    torch.testing.assert_close(out, lean(q, k, v, shared), rtol=0, atol=1e-2)  # bf16 outputs of the same fp32 math
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_a_bf16_update_with_lean_rows_equals_the_plain_one(checkpointing, tiny_model_dir, make_batch, monkeypatch):
-    """The tiny model in bf16 (fp32 weights), shared prompts packed, with and without gradient
-    checkpointing (the lean rows run again in its recompute): one AdamW update leaves exactly the
-    weights the plain rows leave, with the same loss and gradient norm."""
+    """The tiny model in bf16 (fp32 weights), shared prompts packed (the split rows switched off: this is
+    the rows layout's test), with and without gradient checkpointing (the lean rows run again in its
+    recompute): one AdamW update leaves exactly the weights the plain rows leave, with the same loss and
+    gradient norm."""
+    monkeypatch.setattr(split_rows, "split_index", lambda *args: None)
     data = make_batch(prompt_lens=(5, 5, 3, 5), response_lens=(6, 2, 5, 4), prompt_width=5, response_width=6)
     data.batch["input_ids"][[1, 3], :5] = data.batch["input_ids"][0, :5]  # rows 0, 1, 3 share a prompt
     config = {"model": {"path": tiny_model_dir, "mixed_precision": "bfloat16", "gradient_checkpointing": checkpointing},

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from rlcore.workers import packing, shared_varlen
 from rlcore.workers.packing import ROWS_KEYWORD, pack, packed_attention
-from rlcore.workers.shared_varlen import (ROWS_EAGER, ROWS_SDPA, SHARED_VARLEN, choose_kernel, planned_kernel,
+from rlcore.workers.shared_varlen import (ROWS_EAGER, ROWS_SDPA, SHARED_VARLEN, SPLIT_ROWS, choose_kernel, planned_kernel,
                                           reference_varlen_attn, shared_varlen_attention, varlen_index)
 from row_layouts import shared_layout
 
@@ -125,7 +125,9 @@ def test_the_kernel_choice_and_the_reason_when_not_varlen(monkeypatch):
     assert kernel == ROWS_SDPA and why.endswith("has no torch.nn.attention.varlen.varlen_attn")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(shared_varlen, "VARLEN_ATTN", reference_varlen_attn)
-    assert planned_kernel(torch.bfloat16) == (ROWS_SDPA, "device cpu: varlen_attn is CUDA-only")
+    assert planned_kernel(torch.bfloat16) == (
+        SPLIT_ROWS, "device cpu: varlen_attn is CUDA-only; two flash calls, each prompt's queries once")
+    assert choose_kernel("cpu", torch.float32, 0.1, []) == (ROWS_SDPA, "device cpu: varlen_attn is CUDA-only")
 
 
 @pytest.fixture
@@ -147,9 +149,9 @@ def test_a_model_over_a_shared_pack_through_the_varlen_dispatch_equals_the_rows_
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attn_implementation=packing.PACKED_ATTENTION,
                                                  dtype=torch.float32).eval()
     packed, *_ = grouped_pack(3, vocab=int(model.config.vocab_size))
-    before = shared_varlen.KERNEL_CALLS[ROWS_SDPA]
-    expected = model(**packed.model_kwargs()).logits  # today's path: the dispatch on CPU picks rows
-    assert shared_varlen.KERNEL_CALLS[ROWS_SDPA] - before == model.config.num_hidden_layers and not varlen_on_cpu
+    before = shared_varlen.KERNEL_CALLS[SPLIT_ROWS]
+    expected = model(**packed.model_kwargs()).logits  # today's path: the dispatch on CPU picks the split rows
+    assert shared_varlen.KERNEL_CALLS[SPLIT_ROWS] - before == model.config.num_hidden_layers and not varlen_on_cpu
     monkeypatch.setattr(shared_varlen, "choose_kernel", lambda *a, **k: (SHARED_VARLEN, "forced"))
     before = shared_varlen.KERNEL_CALLS[SHARED_VARLEN]
     got = model(**packed.model_kwargs()).logits
