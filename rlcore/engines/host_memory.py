@@ -15,7 +15,7 @@ read old blocks is reset with it) handed back to the kernel; they read as zeros 
 faulted in again on the next write, as they were when the cache was allocated (``torch.zeros``).
 
 ``keep_large_blocks``: glibc serves blocks of every size from its heap and keeps what is freed there
-(``mallopt``: no mmap, a 1 GiB trim threshold) instead of mapping each block over its mmap threshold
+(``mallopt``: no mmap, a 2 GiB trim threshold) instead of mapping each block over its mmap threshold
 (at most 32 MiB: a SmolLM2 micro-batch's 96 MiB logits chunks, its 113 MB head and embedding gradients)
 afresh and unmapping it when freed, so that the kernel zeroes and faults those pages in again at
 every micro-batch: 2.0-2.2 million minor faults and ~4 s of system CPU in an fp32 update of 128 rows,
@@ -45,7 +45,9 @@ from torch import nn
 
 MADV_DONTNEED = 4  # linux/mman.h
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # malloc.h's mallopt parameters
-KEPT_FREE_BYTES = 1 << 30  # free memory at the heap's top that free() leaves in place (trim_heap still takes it)
+KEPT_FREE_BYTES = (1 << 31) - 1  # free memory at the heap's top that free() leaves in place (trim_heap still takes it):
+# mallopt's largest; at 1 GiB a SmolLM2 update that ended with more than that free at the top (sampling's
+# blocks above it) gave it back, and the next update faulted 0.25-0.3 million pages in again
 GLIBC_MMAP_MAX, GLIBC_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults
 _libc = None
 
