@@ -25,7 +25,8 @@ multiplies). ``mfu_update_counting_every_rows_prompt`` is the old count, each ro
 
 Also reported: the attention kernels that actually ran (``attention_kernel_calls``: calls per kernel,
 ``rlcore.workers.shared_varlen.KERNEL_CALLS``; ``varlen_shared`` is the one varlen call per layer
-over a shared-prompt pack, ``rows_sdpa`` the fallback), what the dispatch picks here and why, and
+over a shared-prompt pack, ``rows_split`` its two flash calls on CPU, ``rows_sdpa`` the fallback),
+what the dispatch picks here and why, and
 ``shared_varlen_probe`` (scripts/device_varlen.py): the varlen call against the rows path and an
 fp32 reference on this device, outputs and gradients, at the shape's heads.
 """

@@ -116,8 +116,10 @@ def test_cpu_dry_run_of_the_throughput_benchmark(tmp_path, vendor):
         assert {"gen", "update_actor", "sync_weights", "step"} <= set(part["stage_s"])
         assert part["trained_tokens_per_s"] > 0 and part["generated_tokens_per_s"] > 0 and part["weight_sync_s"] > 0
         assert 0 < part["mfu_update_vs_measured_matmul"] < 1
-        # a group's prompt computed once, the kernel that ran counted (CPU: split rows), the varlen probe exact
+        # a group's prompt computed once, the kernel that ran counted (CPU: split rows where a pack shares a
+        # prompt; rows where none does: the update's one-row stand-in when no group scored mixed), the varlen probe exact
         assert 0 < part["shared_prompt_frac"] < 1 and part["computed_tokens_per_s"] < part["trained_tokens_per_s"]
-        assert set(part["attention_kernel_calls"]) == {"rows_split"}, part["attention_kernel_calls"]
+        calls = part["attention_kernel_calls"]
+        assert calls.get("rows_split", 0) > 0 and set(calls) <= {"rows_split", "rows_sdpa"}, calls
         assert part["attention_kernel_planned"]["kernel"] == "rows_split" and part["shared_varlen_probe"]["ok"]
     assert report["procs"]["throughput"]["imports"]["blocked_loaded"] == []

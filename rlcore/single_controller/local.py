@@ -23,6 +23,7 @@ class LocalWorkerGroup(WorkerGroup):
         super().__init__(classes, world_size, default_timeout=None)
         port = str(free_port())
         rendezvous = one_machine_rendezvous()  # no TCP listener: the ranks are in this process
+        self._rendezvous_files = list(rendezvous.values())  # removed at shutdown, should torch leave them
         self.hosts = []
         self.worker_info = []
         saved = dict(os.environ)
@@ -88,3 +89,8 @@ class LocalWorkerGroup(WorkerGroup):
         hosts, self.hosts = self.hosts, []
         for host in hosts:  # the workers live in this process: their engines are closed now, not when collected
             host.close()
+        for path in self._rendezvous_files:
+            try:
+                os.unlink(path)
+            except OSError:  # torch removed it (every rank's store closed), or it was never written
+                pass

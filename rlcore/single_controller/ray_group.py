@@ -83,8 +83,10 @@ class RayWorkerGroup(WorkerGroup):
         resource_pool.claim(self.group_name, resources)
         self.hosts: list = []
         self.worker_info: list[dict] = []  # per rank: pid, node, stack file (filled by _start)
+        self._rendezvous_files: list[str] = []  # a one-node group's rendezvous file (filled by _start)
         # Runs once: at shutdown(), or when the group is garbage-collected. It holds what it releases, not the group.
-        self._finalizer = weakref.finalize(self, _release, self.hosts, self.worker_info, resource_pool, self.group_name)
+        self._finalizer = weakref.finalize(self, _release, self.hosts, self.worker_info, resource_pool, self.group_name,
+                                           self._rendezvous_files)
         self._finalizer.atexit = False  # at interpreter exit the driver's job ends, and Ray frees everything
         try:
             self._start(resource_pool, resources, extra_options, env_vars, init_timeout)
@@ -110,6 +112,7 @@ class RayWorkerGroup(WorkerGroup):
         build_refs = []
         one_node = len(resource_pool.placement_groups()) == 1  # STRICT_PACK: one placement group per node
         rendezvous = one_machine_rendezvous() if one_node else {}
+        self._rendezvous_files.extend(rendezvous.values())
         for rank, (_, _, local_rank) in enumerate(resource_pool.slots()):
             env = {
                 **(env_vars or {}),
@@ -202,9 +205,10 @@ class RayWorkerGroup(WorkerGroup):
         return self._finalizer.alive
 
 
-def _release(hosts: list, worker_info: list[dict], pool: RayResourcePool, name: str) -> None:
-    """Kill a group's actors, remove the files their stacks were dumped into, and take the group off its
-    pool. The group's finalizer: it must not refer to the group."""
+def _release(hosts: list, worker_info: list[dict], pool: RayResourcePool, name: str, rendezvous_files: list[str]) -> None:
+    """Kill a group's actors, remove the files their stacks were dumped into and its rendezvous file (torch
+    removes it when the last rank's store is destroyed, which a killed actor never gets to), and take the
+    group off its pool. The group's finalizer: it must not refer to the group."""
     if ray.is_initialized():
         for host in hosts:
             try:
@@ -213,6 +217,9 @@ def _release(hosts: list, worker_info: list[dict], pool: RayResourcePool, name: 
                 pass
     hosts.clear()
     here = node_ip()
+    if worker_info and all(info.get("node_ip") == here for info in worker_info):  # the file is on this machine
+        _unlink_all(rendezvous_files)
+    rendezvous_files.clear()
     for info in worker_info:
         if info.get("stack_file") and info.get("node_ip") == here:
             try:
@@ -221,6 +228,14 @@ def _release(hosts: list, worker_info: list[dict], pool: RayResourcePool, name: 
                 pass
     worker_info.clear()
     pool.release(name)
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:  # removed already (every rank's store closed), or never written
+            pass
 
 
 class RankHandle:
