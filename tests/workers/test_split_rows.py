@@ -102,12 +102,15 @@ def test_split_rows_keep_the_pack_not_its_rows():
     assert kept < rows
 
 
-def test_an_update_with_split_rows_equals_one_with_the_rows_layout(tiny_model_dir, make_batch, monkeypatch):
-    """The tiny model in fp32, rows 0, 1 and 3 sharing a prompt: one AdamW update through the split rows
-    leaves the weights where the rows layout leaves them, to fp32 rounding (through the first AdamW step)."""
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_an_update_with_split_rows_equals_one_with_the_rows_layout(checkpointing, tiny_model_dir, make_batch,
+                                                                  monkeypatch):
+    """The tiny model in fp32, rows 0, 1 and 3 sharing a prompt, with and without gradient checkpointing (the
+    split rows run again in its recompute): one AdamW update through the split rows leaves the weights where
+    the rows layout leaves them, to fp32 rounding (through the first AdamW step)."""
     data = make_batch(prompt_lens=(5, 5, 3, 5), response_lens=(6, 2, 5, 4), prompt_width=5, response_width=6)
     data.batch["input_ids"][[1, 3], :5] = data.batch["input_ids"][0, :5]
-    config = {"model": {"path": tiny_model_dir}, "actor": {"lr": 1e-3, "ppo_micro_batch_size_per_gpu": 4,
+    config = {"model": {"path": tiny_model_dir, "gradient_checkpointing": checkpointing}, "actor": {"lr": 1e-3, "ppo_micro_batch_size_per_gpu": 4,
                                                          "skip_zero_advantage_rows": False}}
     results, calls, split_index = {}, [], split_rows.split_index
     for side in ("split", "rows"):
