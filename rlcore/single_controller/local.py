@@ -22,8 +22,9 @@ class LocalWorkerGroup(WorkerGroup):
     def __init__(self, classes: ClassWithInitArgs | ColocatedClasses, world_size: int = 1) -> None:
         super().__init__(classes, world_size, default_timeout=None)
         port = str(free_port())
-        rendezvous = one_machine_rendezvous()  # no TCP listener: the ranks are in this process
-        self._rendezvous_files = list(rendezvous.values())  # removed at shutdown, should torch leave them
+        # No TCP listener: the ranks are in this process. Their file is left to torch (removed when the store
+        # closes): the process group made from it outlives the group here, and later groups' stores read it.
+        rendezvous = one_machine_rendezvous()
         self.hosts = []
         self.worker_info = []
         saved = dict(os.environ)
@@ -89,8 +90,3 @@ class LocalWorkerGroup(WorkerGroup):
         hosts, self.hosts = self.hosts, []
         for host in hosts:  # the workers live in this process: their engines are closed now, not when collected
             host.close()
-        for path in self._rendezvous_files:
-            try:
-                os.unlink(path)
-            except OSError:  # torch removed it (every rank's store closed), or it was never written
-                pass
