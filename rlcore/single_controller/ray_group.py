@@ -220,12 +220,7 @@ def _release(hosts: list, worker_info: list[dict], pool: RayResourcePool, name: 
     if worker_info and all(info.get("node_ip") == here for info in worker_info):  # the file is on this machine
         _unlink_all(rendezvous_files)
     rendezvous_files.clear()
-    for info in worker_info:
-        if info.get("stack_file") and info.get("node_ip") == here:
-            try:
-                os.unlink(info["stack_file"])
-            except OSError:
-                pass
+    _unlink_all([info["stack_file"] for info in worker_info if info.get("stack_file") and info.get("node_ip") == here])
     worker_info.clear()
     pool.release(name)
 
@@ -234,7 +229,7 @@ def _unlink_all(paths: list[str]) -> None:
     for path in paths:
         try:
             os.unlink(path)
-        except OSError:  # removed already (every rank's store closed), or never written
+        except OSError:  # removed already (a rendezvous file whose every store closed), or never written
             pass
 
 

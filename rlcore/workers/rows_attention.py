@@ -42,12 +42,26 @@ def flash_chosen(q: torch.Tensor, k: torch.Tensor) -> bool:
     return torch._fused_sdp_choice(*probe, None, 0.0, True, scale=None, enable_gqa=q.shape[1] != k.shape[1]) == _FLASH
 
 
+def with_zero_token(flat: torch.Tensor) -> torch.Tensor:
+    """(N, H, D) -> (N + 1, H, D): a pack's tokens, then the zero token that fills a row behind its end."""
+    return torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
+
+
+def rows_of(flat: torch.Tensor, index: torch.Tensor, rows: int, length: int,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(N + 1, H, D) -> (rows, H, length, D) in ``dtype``: the tokens at ``index``, ``length`` a row."""
+    return flat.index_select(0, index).view(rows, length, *flat.shape[1:]).transpose(1, 2).to(dtype)
+
+
+def flat_rows(out: torch.Tensor) -> torch.Tensor:
+    """(rows, H, L, D) -> (rows * L, H, D): rows of a kernel's output, position after position."""
+    return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
+
+
 def _spread(t: torch.Tensor, source: torch.Tensor, rows: int, max_len: int) -> torch.Tensor:
     """(1, H, N, D) -> (rows, H, max_len, D) in fp32: each row's tokens from position 0 (``source``;
     index N is the zero token behind a row's end), as ``packing._rows`` lays them out."""
-    flat = t[0].transpose(0, 1)  # (N, H, D)
-    flat = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
-    return flat.index_select(0, source).view(rows, max_len, *flat.shape[1:]).transpose(1, 2).float()
+    return rows_of(with_zero_token(t[0].transpose(0, 1)), source, rows, max_len)
 
 
 def _spread_backward(grad: torch.Tensor, dtype: torch.dtype, source: torch.Tensor, n: int) -> torch.Tensor:
@@ -72,7 +86,7 @@ class FlashRows(torch.autograd.Function):
         n = q.shape[2]
         out, lse = torch._scaled_dot_product_flash_attention_for_cpu(
             *(_spread(t, source, rows, max_len) for t in (q, k, v)), 0.0, True, attn_mask=None, scale=scale)
-        packed = out.transpose(1, 2).reshape(rows * max_len, out.shape[1], out.shape[3]).index_select(0, take)
+        packed = flat_rows(out).index_select(0, take)
         ctx.save_for_backward(q, k, v, packed, lse, source, take)
         ctx.shape = (rows, max_len, n, scale)
         return packed.to(q.dtype).unsqueeze(0)
@@ -87,8 +101,7 @@ class FlashRows(torch.autograd.Function):
         g.index_add_(0, take, grad[0])
         g_out = g.view(rows, max_len, heads, dim).transpose(1, 2).to(torch.float32)
         # the output in rows again: exact where the gradient is not zero (the tokens the pack stores)
-        full = torch.cat([packed, packed.new_zeros((1, heads, dim))])
-        out = full.index_select(0, source).view(rows, max_len, heads, dim).transpose(1, 2)
+        out = rows_of(with_zero_token(packed), source, rows, max_len)
         spread = [_spread(t, source, rows, max_len) for t in (q, k, v)]
         gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             g_out, *spread, out, lse, 0.0, True, attn_mask=None, scale=scale)

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from rlcore.workers.rows_attention import flat_rows, rows_of, with_zero_token
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -104,29 +106,13 @@ def split_index(source: torch.Tensor, take: torch.Tensor, rows: int, max_len: in
                       tail_keys=tail_keys, take=slots)
 
 
-def _gather(flat: torch.Tensor, index: torch.Tensor, rows: int, length: int) -> torch.Tensor:
-    """(N + 1, H, D) pack (zero token last) -> (rows, H, length, D) fp32 at ``index``."""
-    return flat.index_select(0, index).view(rows, length, *flat.shape[1:]).transpose(1, 2).float()
-
-
-def _with_zero(t: torch.Tensor) -> torch.Tensor:
-    """(1, H, N, D) -> (N + 1, H, D): the pack's tokens, then a zero token for the fill."""
-    flat = t[0].transpose(0, 1)
-    return torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
-
-
 def _calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ix: SplitIndex):
     """The two calls' (q, k, v) in fp32: the head's rows (keys = queries' positions), the tail's."""
-    qf, kf, vf = (_with_zero(t) for t in (q, k, v))
-    head = [_gather(t, ix.head, ix.head_rows, ix.head_len) for t in (qf, kf, vf)] if ix.head_rows else None
-    tail = (_gather(qf, ix.tail_q, ix.tail_rows, ix.tail), _gather(kf, ix.tail_k, ix.tail_rows, ix.tail_keys),
-            _gather(vf, ix.tail_k, ix.tail_rows, ix.tail_keys))
+    qf, kf, vf = (with_zero_token(t[0].transpose(0, 1)) for t in (q, k, v))
+    head = [rows_of(t, ix.head, ix.head_rows, ix.head_len) for t in (qf, kf, vf)] if ix.head_rows else None
+    tail = (rows_of(qf, ix.tail_q, ix.tail_rows, ix.tail), rows_of(kf, ix.tail_k, ix.tail_rows, ix.tail_keys),
+            rows_of(vf, ix.tail_k, ix.tail_rows, ix.tail_keys))
     return head, tail
-
-
-def _flat(out: torch.Tensor) -> torch.Tensor:
-    """(rows, H, L, D) -> (rows * L, H, D)."""
-    return out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3])
 
 
 class SplitRows(torch.autograd.Function):
@@ -139,10 +125,10 @@ class SplitRows(torch.autograd.Function):
         parts, lses = [], []
         if head is not None:
             out, lse = _flash(*head, 0.0, True, attn_mask=None, scale=scale)
-            parts.append(_flat(out))
+            parts.append(flat_rows(out))
             lses.append(lse)
         out, lse = _flash(*tail, 0.0, False, attn_mask=ix.mask, scale=scale)
-        parts.append(_flat(out))
+        parts.append(flat_rows(out))
         lses.append(lse)
         packed = torch.cat(parts).index_select(0, ix.take)  # (N, H, D) fp32
         ctx.save_for_backward(q, k, v, packed, *lses)
@@ -159,20 +145,20 @@ class SplitRows(torch.autograd.Function):
         slots = head_slots + ix.tail_rows * ix.tail
         g = torch.zeros((slots, heads, dim), dtype=torch.float32, device=grad.device)
         g.index_copy_(0, ix.take, grad[0].float())  # each token's output sits in one slot
-        out = torch.cat([packed, packed.new_zeros((1, heads, dim))])  # exact at every slot a gradient reaches
+        out = with_zero_token(packed)  # exact at every slot a gradient reaches
         n = q.shape[2]
         grads = [torch.zeros((n + 1, t.shape[1], dim), dtype=torch.float32, device=t.device) for t in (q, k, v)]
 
         def add(kind_grads, q_index, kv_index):
             for acc, g_t, index in zip(grads, kind_grads, (q_index, kv_index, kv_index)):
-                acc.index_add_(0, index, _flat(g_t))
+                acc.index_add_(0, index, flat_rows(g_t))
 
         if head is not None:
-            rows_out = out.index_select(0, ix.head).view(ix.head_rows, ix.head_len, heads, dim).transpose(1, 2)
+            rows_out = rows_of(out, ix.head, ix.head_rows, ix.head_len)
             g_head = g[:head_slots].view(ix.head_rows, ix.head_len, heads, dim).transpose(1, 2)
             add(_flash_backward(g_head, *head, rows_out, lses[0], 0.0, True, attn_mask=None, scale=scale),
                 ix.head, ix.head)
-        rows_out = out.index_select(0, ix.tail_q).view(ix.tail_rows, ix.tail, heads, dim).transpose(1, 2)
+        rows_out = rows_of(out, ix.tail_q, ix.tail_rows, ix.tail)
         g_tail = g[head_slots:].view(ix.tail_rows, ix.tail, heads, dim).transpose(1, 2)
         add(_flash_backward(g_tail, *tail, rows_out, lses[-1], 0.0, False, attn_mask=ix.mask, scale=scale),
             ix.tail_q, ix.tail_k)
@@ -185,10 +171,9 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, source: torch.T
               rows: int, max_len: int, scale: float | None) -> torch.Tensor:
     """The rows layout's attention in plain float64 math (each row's causal softmax over its own
     sequence), (1, N, H, D) in q's dtype: what ``SplitRows`` and the rows layout both compute."""
-    qf, kf, vf = (_with_zero(t.double()) for t in (q, k, v))
-    spread = [t.index_select(0, source).view(rows, max_len, *t.shape[1:]).transpose(1, 2) for t in (qf, kf, vf)]
-    sq, sk, sv = spread
+    sq, sk, sv = (rows_of(with_zero_token(t[0].transpose(0, 1)), source, rows, max_len, torch.float64)
+                  for t in (q, k, v))
     if sk.shape[1] != sq.shape[1]:
         sk, sv = (t.repeat_interleave(sq.shape[1] // t.shape[1], dim=1) for t in (sk, sv))
     out = F.scaled_dot_product_attention(sq, sk, sv, is_causal=True, scale=scale)
-    return _flat(out).index_select(0, take).unsqueeze(0).to(q.dtype)
+    return flat_rows(out).index_select(0, take).unsqueeze(0).to(q.dtype)
