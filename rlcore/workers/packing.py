@@ -463,13 +463,11 @@ def _rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: RowLayout, 
     rows, max_len = layout.rows, layout.max_len
     source, take = layout.source.to(q.device), layout.take.to(q.device)
 
-    def spread(t: torch.Tensor) -> torch.Tensor:  # (1, H, N, D) -> (rows, H, max_len, D)
-        flat = t[0].transpose(0, 1)  # (N, H, D)
-        flat = torch.cat([flat, flat.new_zeros((1, *flat.shape[1:]))])
-        return flat.index_select(0, source).view(rows, max_len, *flat.shape[1:]).transpose(1, 2)
+    def spread(t: torch.Tensor) -> torch.Tensor:  # (1, H, N, D) -> (rows, H, max_len, D), in t's dtype
+        return rows_attention.rows_of(rows_attention.with_zero_token(t[0].transpose(0, 1)), source, rows, max_len, t.dtype)
 
     out = inner(spread(q), spread(k), spread(v), scale, dropout)  # (rows, H, max_len, D)
-    return out.transpose(1, 2).reshape(rows * max_len, out.shape[1], out.shape[3]).index_select(0, take).unsqueeze(0)
+    return rows_attention.flat_rows(out).index_select(0, take).unsqueeze(0)
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
