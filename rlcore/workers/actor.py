@@ -50,13 +50,12 @@ from rlcore.workers.config import ActorConfig
 from rlcore.workers.fsdp_utils import (
     FSDPTrainWorker,
     apply_fsdp2,
-    build_lr_scheduler,
-    build_optimizer,
     forward_micro_batches,
     iter_full_tensors,
     mixed_precision_policy,
     setup_worker,
 )
+from rlcore.workers.optim import build_lr_scheduler, build_optimizer
 from rlcore.workers.lora import lora_scaling, merge_lora_tensors, trainable_parameters, wrap_lora
 from rlcore.workers.mismatch import MismatchCollector, read_check_config
 from rlcore.workers.moe import MoEActor, micro_share

@@ -34,12 +34,11 @@ from rlcore.workers.fsdp_utils import (
     FSDPTrainWorker,
     ScalarHeadModel,
     apply_fsdp2,
-    build_lr_scheduler,
-    build_optimizer,
     forward_micro_batches,
     mixed_precision_policy,
     setup_worker,
 )
+from rlcore.workers.optim import build_lr_scheduler, build_optimizer
 from rlcore.workers.packing import load_kwargs, response_inputs
 from rlcore.workers.precision import resolve_mixed_precision
 

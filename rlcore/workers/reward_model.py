@@ -52,14 +52,13 @@ from rlcore.workers.fsdp_utils import (
     FSDPTrainWorker,
     ScalarHeadModel,
     apply_fsdp2,
-    build_lr_scheduler,
-    build_optimizer,
     forward_micro_batches,
     full_state_dict,
     micro_batch_indices,
     mixed_precision_policy,
     setup_worker,
 )
+from rlcore.workers.optim import build_lr_scheduler, build_optimizer
 from rlcore.workers.packing import load_kwargs, pack
 from rlcore.workers.precision import resolve_mixed_precision
 

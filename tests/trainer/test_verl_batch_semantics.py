@@ -174,7 +174,7 @@ def test_a_decaying_learning_rate_without_total_steps_spans_the_whole_run():
     """lr_scheduler cosine/linear with total_steps null: the trainer fills in the run's optimizer steps
     (trainer.total_steps x prompts / mini-batch prompts x epochs), so the decay reaches its floor at the
     last update; a total_steps given is kept."""
-    from rlcore.workers.fsdp_utils import lr_multiplier
+    from rlcore.workers.optim import lr_multiplier
 
     cfg = load_config({"data": {"train_batch_size": 8}, "rollout": {"n": 4}, "trainer": {"total_steps": 5},
                        "actor": {"ppo_mini_batch_size": 2, "ppo_epochs": 3, "lr_scheduler": "cosine",

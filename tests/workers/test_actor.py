@@ -17,7 +17,7 @@ from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup, RayRes
 from rlcore.typed_config import ConfigError, read_section
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.config import ActorConfig, TrainConfig, worker_device
-from rlcore.workers.fsdp_utils import build_lr_scheduler, lr_multiplier
+from rlcore.workers.optim import build_lr_scheduler, lr_multiplier
 
 LR = 0.1
 
