@@ -87,10 +87,8 @@ class RowLayout:
     @cached_property
     def split(self) -> split_rows.SplitIndex | None:
         """The two CPU flash calls' index (``split_rows.split_index``), built once per pack; None where no
-        row borrows a prompt, or where a row's stored tokens are not the tail of its sequence (``varlen``'s check)."""
-        try:
-            self.varlen
-        except ValueError:
+        row borrows a prompt, or where a row's stored tokens are not the tail of its sequence (``stored_tails``)."""
+        if not shared_varlen.stored_tails(self.source, self.take, self.rows, self.max_len):
             return None
         return split_rows.split_index(self.source, self.take, self.rows, self.max_len)
 
@@ -390,8 +388,10 @@ def _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs,
             return out.transpose(1, 2).contiguous(), None
         except (RuntimeError, TypeError, NotImplementedError) as exc:  # this torch / GPU refuses it: rows from now on
             _refused(exc)
-    if cu is None and shared_varlen.choose_kernel(query.device.type, query.dtype, dropout, VARLEN_REFUSED,
-                                                  inner is _eager)[0] == shared_varlen.SHARED_VARLEN:
+    kernel = None if cu is not None else shared_varlen.choose_kernel(  # a shared-prompt pack's (rows with cu)
+        query.device.type, query.dtype, dropout, VARLEN_REFUSED, inner is _eager,
+        cpu_flash=query.device.type != "cpu" or rows_attention.flash_chosen(query, key))[0]
+    if kernel == shared_varlen.SHARED_VARLEN:
         try:  # a shared-prompt pack: one varlen call, query and key boundaries apart
             out = shared_varlen.shared_varlen_attention(query, key, value, layout.varlen, scaling)
             calls[shared_varlen.SHARED_VARLEN] += 1
@@ -400,8 +400,7 @@ def _packed(module, query, key, value, attention_mask, scaling, dropout, kwargs,
             _refused(exc)
     if layout is None:
         layout = _layout_from_cu(cu, int(kwargs.get("max_length_q") or 0), query.shape[2], query.device)
-    if (inner is not _eager and query.device.type == "cpu" and not dropout and layout.split is not None
-            and rows_attention.flash_chosen(query, key)):  # a shared-prompt pack: each prompt's queries once
+    if kernel == shared_varlen.SPLIT_ROWS and layout.split is not None:  # each prompt's queries once
         calls[shared_varlen.SPLIT_ROWS] += 1
         return split_rows.SplitRows.apply(query, key, value, layout.split, scaling), None
     calls[shared_varlen.ROWS_EAGER if inner is _eager else shared_varlen.ROWS_SDPA] += 1

@@ -63,27 +63,38 @@ class VarlenIndex:
     max_k: int
 
 
+def stored_tails(source: torch.Tensor, take: torch.Tensor, rows: int, max_len: int) -> bool:
+    """Whether a pack (its ``RowLayout`` fields, as ``varlen_index`` takes them) stores each row's tokens
+    contiguously, rows in order, and as the tail of the row's sequence: how both the varlen call and the
+    CPU split rows (``rlcore.workers.split_rows``) read a row's queries against its keys."""
+    n = int(take.numel())
+    if not n:
+        return True
+    lk = (source.view(rows, max_len) < n).sum(1)
+    row = torch.div(take, max_len, rounding_mode="floor")
+    lq = torch.bincount(row, minlength=rows)
+    start = F.pad(lq.cumsum(0), (1, 0))[:-1]  # each row's first query in the pack
+    expected = (lk - lq)[row] + torch.arange(n, device=take.device) - start[row]
+    return not bool((row.diff() < 0).any()) and torch.equal(take - row * max_len, expected)
+
+
 def varlen_index(source: torch.Tensor, take: torch.Tensor, rows: int, max_len: int) -> VarlenIndex:
     """The ``VarlenIndex`` of a pack from its ``RowLayout`` fields: ``source`` (rows * max_len,) each
     row's token at each position from 0 (N behind the row's end), ``take`` (N,) where each pack token
     sits in that layout. Rows that store no token (a borrowed prompt with an empty response) have no
     query and are left out. Refuses a layout the varlen call would read wrong: stored tokens out of
     row order, or a row's stored tokens that are not the tail of its sequence."""
+    if not stored_tails(source, take, rows, max_len):
+        raise ValueError("varlen_index: a row's stored tokens are not contiguous in the pack or not the tail "
+                         "of its sequence; this pack cannot run as one varlen call")
     n = int(take.numel())
     grid = source.view(rows, max_len)
     has_key = grid < n  # a prefix of each row (tokens from position 0, then the fill)
     lk = has_key.sum(1)
-    row = torch.div(take, max_len, rounding_mode="floor")
-    lq = torch.bincount(row, minlength=rows)
+    lq = torch.bincount(torch.div(take, max_len, rounding_mode="floor"), minlength=rows)
     keep = lq > 0
     cu_q = F.pad(lq[keep].cumsum(0), (1, 0))
     cu_k = F.pad(lk[keep].cumsum(0), (1, 0))
-    if n:
-        start = F.pad(lq.cumsum(0), (1, 0))[:-1]  # each row's first query in the pack, kept or not
-        expected = (lk - lq)[row] + torch.arange(n, device=take.device) - start[row]
-        if bool((row.diff() < 0).any()) or not torch.equal(take - row * max_len, expected):
-            raise ValueError("varlen_index: a row's stored tokens are not contiguous in the pack or not the tail "
-                             "of its sequence; this pack cannot run as one varlen call")
     return VarlenIndex(kv_source=grid[keep][has_key[keep]], cu_q=cu_q.to(torch.int32), cu_k=cu_k.to(torch.int32),
                        max_q=int(lq.max()) if n else 0, max_k=int(lk[keep].max()) if n else 0)
 
@@ -140,15 +151,17 @@ def reference_varlen_attn(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def choose_kernel(device_type: str, dtype: torch.dtype, dropout: float, refused: list[str],
-                  eager: bool = False) -> tuple[str, str]:
+                  eager: bool = False, cpu_flash: bool = True) -> tuple[str, str]:
     """(kernel, why) for a shared-prompt pack's attention: ``SHARED_VARLEN`` on CUDA in bf16/fp16 where
-    this torch has ``varlen_attn`` and it has not refused in this process; ``SPLIT_ROWS`` on CPU (where
-    SDPA's flash kernel takes the head size, as for SmolLM2 and Qwen2.5); else ``ROWS_SDPA`` (or
-    ``ROWS_EAGER``) and the first reason it is not varlen."""
+    this torch has ``varlen_attn`` and it has not refused in this process; ``SPLIT_ROWS`` on CPU where
+    SDPA's flash kernel takes the heads (``cpu_flash``: ``rows_attention.flash_chosen``, as for SmolLM2
+    and Qwen2.5); else ``ROWS_SDPA`` (or ``ROWS_EAGER``) and the first reason it is not varlen."""
     rows = ROWS_EAGER if eager else ROWS_SDPA
     if eager:
         return rows, "model.attn_implementation=eager"
     if device_type == "cpu" and not dropout:
+        if not cpu_flash:
+            return rows, "device cpu: SDPA's flash kernel does not take these heads, so no split rows either"
         return SPLIT_ROWS, "device cpu: varlen_attn is CUDA-only; two flash calls, each prompt's queries once"
     if device_type != "cuda":
         return rows, f"device {device_type}: varlen_attn is CUDA-only"

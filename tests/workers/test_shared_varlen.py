@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from rlcore.workers import packing, shared_varlen
 from rlcore.workers.packing import ROWS_KEYWORD, pack, packed_attention
 from rlcore.workers.shared_varlen import (ROWS_EAGER, ROWS_SDPA, SHARED_VARLEN, SPLIT_ROWS, choose_kernel, planned_kernel,
-                                          reference_varlen_attn, shared_varlen_attention, varlen_index)
+                                          reference_varlen_attn, shared_varlen_attention, stored_tails, varlen_index)
 from row_layouts import shared_layout
 
 
@@ -55,6 +55,11 @@ def test_the_varlen_index_by_hand():
     bad[5] = 7 + 2  # row 1's first stored token placed over its prompt: not the tail of its sequence
     with pytest.raises(ValueError, match="not the tail"):
         varlen_index(layout.source, bad, rows=3, max_len=7)
+    assert stored_tails(layout.source, layout.take, 3, 7) and not stored_tails(layout.source, bad, 3, 7)
+    swapped = layout.take.clone()
+    swapped[[3, 4]] = swapped[[4, 3]]  # row 0's two response tokens stored in the wrong order
+    assert not stored_tails(layout.source, swapped, 3, 7)
+    assert stored_tails(layout.source[:0], layout.take[:0], 0, 7)  # an empty pack
 
 
 def whole_rows(q, k, v, packed):
@@ -128,6 +133,8 @@ def test_the_kernel_choice_and_the_reason_when_not_varlen(monkeypatch):
     assert planned_kernel(torch.bfloat16) == (
         SPLIT_ROWS, "device cpu: varlen_attn is CUDA-only; two flash calls, each prompt's queries once")
     assert choose_kernel("cpu", torch.float32, 0.1, []) == (ROWS_SDPA, "device cpu: varlen_attn is CUDA-only")
+    assert choose_kernel("cpu", torch.float32, 0.0, [], cpu_flash=False) == (
+        ROWS_SDPA, "device cpu: SDPA's flash kernel does not take these heads, so no split rows either")
 
 
 @pytest.fixture
