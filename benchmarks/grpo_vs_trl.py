@@ -31,8 +31,8 @@ TRL's step 1, rlcore's step 2, ...; ``--no-interleave``: one side after the othe
 that slows down for a minute slows both sides alike. The first step is warm-up; the report is the
 median of the others, the ratio TRL / rlcore (above 1: rlcore faster) per rlcore backend, each
 side's dtypes, rlcore's time per stage (generate, reward, advantage, update, sync) with the FLOPs
-each did and their share of this machine's matmul peak measured in the same run per dtype
-(``benchmarks/machine_limit.py``: MFU), the same for TRL's whole step, and the mean reward per 5
+each did and their share of this machine's matmul peak measured in the same run per dtype, at its
+start and its end, the better reading counting (``benchmarks/machine_limit.py``: MFU), the same for TRL's whole step, and the mean reward per 5
 steps of both (a random-init model scores ~0 on both sides; from a warm start with
 ``--free-length`` the two curves should rise alike).
 ``--json FILE`` writes all of it; ``--quick`` (tiny sizes, HF backend, TRL only where installed)
@@ -410,23 +410,26 @@ def main() -> None:
     from rlcore.models.gguf import resolve_model_path
     from rlcore.models.tiny import build_tiny_model
 
-    from benchmarks.machine_limit import matmul_peak
+    from benchmarks.machine_limit import MeasuredPeak
 
     resolve_dtypes(args)
     args.model = resolve_model_path(args.model) or build_tiny_model(tempfile.mkdtemp(), preset=args.preset)
     flags = cpu_flags()
     size, seconds = (256, 0.2) if args.quick else (2048, 1.5)
-    peak = {dtype: matmul_peak(dtype, size, seconds) for dtype in ("float32", "bfloat16")}  # before the sides start
+    peaks = MeasuredPeak(("float32", "bfloat16"), size, seconds)
+    peaks.measure("start")  # before the sides start, and again after they end: the better reading counts
     have_trl = importlib.util.find_spec("trl") is not None
     if not have_trl and not args.quick:
         sys.exit('TRL is not installed: pip install -e ".[bench]"')
     results = run_sides(args, [f"rlcore-{b}" for b in backends] + (["trl"] if have_trl else []))
+    peaks.measure("end")
+    peak = peaks.best
     step = {side: statistics.median(r["step_s"][1:]) for side, r in results.items()}
     length = "up to" if args.free_length else "exactly"
     print(f"model {args.model}, task {args.task}, {args.prompts} prompts x {args.n} samples x {length} {args.new_tokens} tokens, "
           f"lr {args.lr}, median of steps 2..{args.steps}, {'interleaved step by step' if args.interleave else 'one side after the other'}")
-    print(f"CPU: {flags['capability']}, {flags['native_bf16']}; matmul peak measured now: "
-          + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peak.items()))
+    print(f"CPU: {flags['capability']}, {flags['native_bf16']}; matmul peak, the better of the run's start and "
+          f"end: {peaks.describe()}")
     dtypes = {side: (r.get("sample_dtype"), r.get("train_dtype")) for side, r in results.items()}
     if len({(plain(a), plain(b)) for a, b in dtypes.values()}) > 1:
         print("DTYPES DIFFER BETWEEN THE SIDES: " + "; ".join(f"{side} samples in {a}, trains in {b}"
@@ -458,7 +461,7 @@ def main() -> None:
             print(f"  {side:12s} rows trained per step {[round(f, 2) for f in r['trained_rows_frac'][:10]]}, "
                   f"share of their tokens held once as shared prompts {[round(f, 2) for f in r['shared_prompt_frac'][:10]]}")
     write_json(args.json, {"args": {k: v for k, v in vars(args).items() if k != "side"}, "cpu": flags, "step_s": step,
-                           "trl_over_rlcore": ratios, "matmul_peak_flops": peak, "dtypes": dtypes,
+                           "trl_over_rlcore": ratios, "matmul_peak_flops": peak, "matmul_peak_windows": peaks.windows, "dtypes": dtypes,
                            "flops_and_mfu": limits, "results": results})
 
 

@@ -6,6 +6,10 @@ Two halves, used by ``benchmarks/grpo_vs_trl.py`` and ``benchmarks/step.py``:
 * ``matmul_peak(dtype)``: the best FLOP/s of a large square matmul in that dtype, with the threads
   this process has, measured now (a few repetitions, best taken: what the machine reaches when
   nothing else runs). On the 2-core AVX2 EPYC this is ~110-130 GFLOP/s in fp32.
+  ``MeasuredPeak``: that measurement in several windows of one run (its start and its end), the best
+  of them the yardstick. A window alone is at the mercy of the VM's neighbours: on a 2-core Zen 4 VM
+  (AVX-512) the fp32 peak read 151, 161, 176 and 184 GFLOP/s in runs minutes apart, so an update of
+  the same speed read 73% or 90% of "the peak". The best of two windows moves less, and only down.
 * ``ModelShape.from_config`` and its ``forward_flops``: the matmul FLOPs of a decoder's forward over
   some tokens, 2 x (the matmul parameters a token passes through, LM head included) per token plus
   the attention scores and values, 4 x layers x (heads x head size) per token and position attended.
@@ -80,3 +84,26 @@ class ModelShape:
 def mfu(flops: float, seconds: float, peak: float) -> float:
     """The share of the measured peak a stage reached."""
     return flops / seconds / peak if seconds > 0 and peak > 0 else float("nan")
+
+
+class MeasuredPeak:
+    """The matmul peak per dtype, measured in named windows of a run (``measure("start")``, then
+    ``measure("end")``); ``best`` is the highest each dtype reached in any window: the yardstick."""
+
+    def __init__(self, dtypes, size: int = 2048, seconds: float = 1.5) -> None:
+        self.dtypes, self.size, self.seconds = list(dtypes), size, seconds
+        self.windows: dict[str, dict[str, float]] = {}
+
+    def measure(self, window: str) -> dict[str, float]:
+        self.windows[window] = {d: matmul_peak(d, self.size, self.seconds) for d in self.dtypes}
+        return self.windows[window]
+
+    @property
+    def best(self) -> dict[str, float]:
+        return {d: max(w[d] for w in self.windows.values()) for d in self.dtypes}
+
+    def describe(self) -> str:
+        """``float32 176 GFLOP/s (start 151, end 176), ...``: the best and each window's reading."""
+        return ", ".join(f"{d} {self.best[d] / 1e9:.0f} GFLOP/s ("
+                         + ", ".join(f"{name} {w[d] / 1e9:.0f}" for name, w in self.windows.items()) + ")"
+                         for d in self.dtypes)

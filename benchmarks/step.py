@@ -12,7 +12,8 @@ with ``model.use_remove_padding``, the default; compare ``model.use_remove_paddi
 share of the valid tokens that packs holding each group's prompt once did not compute
 (``actor/shared_prompt_frac``, ``model.pack_shared_prompts``, the default).
 Per stage it also prints the useful FLOPs done and their share of this machine's matmul peak, measured
-in the same run for the dtype that stage computes in (``benchmarks/machine_limit.py``): MFU for
+before and after the run (the better reading) for the dtype that stage computes in
+(``benchmarks/machine_limit.py``): MFU for
 generate (each group's prompt once, every response token), update (forward and backward over the
 rows trained) and the reference / old log-prob forwards, the yardstick of what is left to gain.
 Every run reports the peak resident memory (``VmHWM``) of the driver and of each rank's process, read
@@ -58,7 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 import recipes.grpo
-from benchmarks.machine_limit import ModelShape, matmul_peak, mfu
+from benchmarks.machine_limit import DTYPES, MeasuredPeak, ModelShape, mfu
 from rlcore.single_controller.worker_group import GroupFuture, GroupMethod
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.process_memory import rss_high_water
@@ -194,14 +195,17 @@ def main() -> None:
     steps, overrides = (3, QUICK + args.overrides) if args.quick else (args.steps, args.overrides)
     if args.model:
         overrides = ["+preset=smollm2", f"model.path={args.model}", *overrides]
+    matmul = MeasuredPeak(("float32", "bfloat16"), *((256, 0.2) if args.quick else (2048, 1.5)))
+    matmul.measure("start")  # and again after the run: the better reading counts
     rows, parts, peaks, run_config, memory = run(overrides, steps)
+    matmul.measure("end")
     dtypes = stage_dtypes(run_config)
-    peak = {d: matmul_peak(d, *((256, 0.2) if args.quick else (2048, 1.5))) for d in sorted(set(dtypes.values()))}
+    peak = {d: matmul.best[str(DTYPES[d]).removeprefix("torch.")] for d in sorted(set(dtypes.values()))}
     flops = stage_flops(rows, run_config)
 
     step_s, wall = median(rows, "timing_s/step"), parts["wall"]
     print(f"\nGRPO step, defaults + {overrides or 'no overrides'}: median over steps 2..{steps}")
-    print("matmul peak measured now: " + ", ".join(f"{d} {p / 1e9:.0f} GFLOP/s" for d, p in peak.items()))
+    print(f"matmul peak, the better of the run's start and end: {matmul.describe()}")
     print(f"{'stage':<16}{'seconds':>9}{'share':>8}{'tokens/s':>11}{'GFLOP':>9}{'of peak':>9}")
     stages = sorted({k.split("/", 1)[1] for r in rows for k in r if k.startswith("timing_s/")} - {"step"})
     table = {}
@@ -249,7 +253,8 @@ def main() -> None:
     write_json(args.json, {"overrides": overrides, "steps": steps, "stages": table, "fixed_s": fixed,
                            "fixed_total_s": total, "wall_s": wall, "trained_rows_frac": trained,
                            "padding_share": padding, "worker_compute_s": compute, "parts_s": parts,
-                           "peak_rss_bytes": peaks, "matmul_peak_flops": peak, "memory": memory})
+                           "peak_rss_bytes": peaks, "matmul_peak_flops": peak, "matmul_peak_windows": matmul.windows,
+                           "memory": memory})
 
 
 if __name__ == "__main__":

@@ -57,6 +57,18 @@ def test_useful_flops_of_smollm2_by_hand():
     assert mfu(100.0, 2.0, 100.0) == 0.5
 
 
+def test_the_measured_peak_is_the_best_window_per_dtype(monkeypatch):
+    from benchmarks import machine_limit
+
+    readings = iter([151e9, 400e9, 176e9, 380e9])  # start: fp32, bf16; end: fp32, bf16
+    monkeypatch.setattr(machine_limit, "matmul_peak", lambda dtype, size, seconds: next(readings))
+    peaks = machine_limit.MeasuredPeak(("float32", "bfloat16"))
+    peaks.measure("start")
+    peaks.measure("end")
+    assert peaks.best == {"float32": 176e9, "bfloat16": 400e9}
+    assert peaks.describe() == "float32 176 GFLOP/s (start 151, end 176), bfloat16 400 GFLOP/s (start 400, end 380)"
+
+
 def test_matmul_peak_is_a_rate_per_dtype():
     from benchmarks.machine_limit import matmul_peak
 
