@@ -290,7 +290,7 @@ def main() -> None:
     peaks = MeasuredPeak(["fp32" if args.train_dtype == "fp32" else "bf16"])
     peak = peaks.measure("start")[peaks.dtypes[0]]  # again after the updates: the MFU below is against the better
     print(f"torch threads {torch.get_num_threads()}, {torch.backends.cpu.get_cpu_capability()}; "
-          f"{args.train_dtype} matmul peak at the start {peak / 1e9:.0f} GFLOP/s; update {flops / 1e12:.2f} TFLOP useful "
+          f"{args.train_dtype} matmul peak at the start {peaks.describe()}; update {flops / 1e12:.2f} TFLOP useful "
           f"({int(kept.sum())} of {len(batch)} rows trained, prompt {prompt_len:.1f} tokens, {args.new_tokens} new)")
     rows_with_grad = worker._rows_with_grad() if args.trained_groups is not None else None
     micro = [ix for ix, counts in worker.trained_micro_batches(batch, rows_with_grad) if counts]

@@ -57,16 +57,26 @@ def test_useful_flops_of_smollm2_by_hand():
     assert mfu(100.0, 2.0, 100.0) == 0.5
 
 
-def test_the_measured_peak_is_the_best_window_per_dtype(monkeypatch):
+def test_the_measured_peak_is_the_best_kernel_and_window_per_dtype(monkeypatch):
     from benchmarks import machine_limit
 
-    readings = iter([151e9, 400e9, 176e9, 380e9])  # start: fp32, bf16; end: fp32, bf16
-    monkeypatch.setattr(machine_limit, "matmul_peak", lambda dtype, size, seconds: next(readings))
+    readings = iter([{"torch.mm": 151e9, "oneDNN": 170e9}, {"torch.mm": 400e9},  # start: fp32, bf16
+                     {"torch.mm": 176e9, "oneDNN": 160e9}, {"torch.mm": 380e9}])  # end
+    monkeypatch.setattr(machine_limit, "kernel_peaks", lambda dtype, size, seconds: next(readings))
     peaks = machine_limit.MeasuredPeak(("float32", "bfloat16"))
-    peaks.measure("start")
+    assert peaks.measure("start") == {"float32": 170e9, "bfloat16": 400e9}
     peaks.measure("end")
     assert peaks.best == {"float32": 176e9, "bfloat16": 400e9}
-    assert peaks.describe() == "float32 176 GFLOP/s (start 151, end 176), bfloat16 400 GFLOP/s (start 400, end 380)"
+    assert peaks.describe() == ("float32 176 GFLOP/s (start: torch.mm 151, oneDNN 170; end: torch.mm 176, oneDNN 160), "
+                                "bfloat16 400 GFLOP/s (start: torch.mm 400; end: torch.mm 380)")
+
+
+def test_every_kernel_is_timed_and_the_peak_is_the_fastest():
+    from benchmarks.machine_limit import kernel_peaks, matmul_peak
+
+    rates = kernel_peaks("float32", size=64, seconds=0.01)
+    assert set(rates) == {"torch.mm", "oneDNN"} and all(r > 0 for r in rates.values())  # oneDNN: in torch's x86 builds
+    assert matmul_peak("float32", size=64, seconds=0.01) > 0
 
 
 def test_matmul_peak_is_a_rate_per_dtype():
