@@ -7,6 +7,7 @@
     python -m benchmarks.update --fused-layers 0,1 --repeats 4        # A/B of model.fused_layers, alternating
     python -m benchmarks.update --head-mb 64:128,96:192 --repeats 8   # A/B of actor.logits_chunk_mb:keep_logits_mb
     python -m benchmarks.update --keep-large-blocks 0,1 --repeats 8   # A/B of trainer.keep_large_blocks
+    python -m benchmarks.update --cpu-matmul onednn,torch --repeats 4   # A/B of model.cpu_matmul
     python -m benchmarks.update --fused-layers 0,1 --kept --train-dtype bfloat16 --token-budget 4096  # + what each keeps
     python -m benchmarks.update --trained-groups 6 --token-budget 4096   # as the recipes run it (below)
 
@@ -114,6 +115,8 @@ def build_actor(args):
         config["actor"]["keep_logits_mb"] = args.keep_logits_mb[0]
     if getattr(args, "fused_layers", None):
         config["model"]["fused_layers"] = args.fused_layers[0]
+    if getattr(args, "cpu_matmul", None):
+        config["model"]["cpu_matmul"] = args.cpu_matmul[0]
     group = LocalWorkerGroup(create_colocated_worker_cls({"actor": ClassWithInitArgs(ActorWorker, config)}))
     actor = group.spawn({"actor"})["actor"]
     actor.init_model()
@@ -136,6 +139,8 @@ def set_fused_layers(worker, on: bool) -> None:
 
 def shown(side) -> str:
     """An A/B side as printed: 64, 1, or 96:192 for a pair."""
+    if isinstance(side, str):
+        return side
     return ":".join(f"{x:g}" for x in side) if isinstance(side, tuple) else f"{side:g}"
 
 
@@ -158,11 +163,19 @@ def set_head_mb(worker, chunk_mb: float, keep_mb: float) -> None:
     worker.head.keep_logits(keep_mb)
 
 
+def set_cpu_matmul(worker, choice: str) -> None:
+    """``model.cpu_matmul`` on the actor between updates: its fp32 linears and head on oneDNN, or torch's."""
+    from rlcore.models.cpu_matmul import install_cpu_matmul
+
+    install_cpu_matmul(worker.module, choice)
+    worker.head.onednn = choice == "onednn"
+
+
 def ab_knobs(args) -> list[tuple[str, list | None]]:
     """The settings an A/B alternates between updates (the first one given on the command line)."""
     return [("keep_logits_mb", args.keep_logits_mb), ("release_memory", args.release_memory),
             ("fused_layers", args.fused_layers), ("head_mb", args.head_mb),
-            ("keep_large_blocks", args.keep_large_blocks)]
+            ("keep_large_blocks", args.keep_large_blocks), ("cpu_matmul", args.cpu_matmul)]
 
 
 SETTERS = {  # each knob set on the live worker between updates
@@ -171,6 +184,7 @@ SETTERS = {  # each knob set on the live worker between updates
     "fused_layers": set_fused_layers,
     "head_mb": lambda worker, mbs: set_head_mb(worker, *mbs),
     "keep_large_blocks": lambda worker, on: set_keep_large_blocks(on),
+    "cpu_matmul": lambda worker, choice: set_cpu_matmul(worker, choice),
 }
 
 KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
@@ -264,6 +278,8 @@ def main() -> None:
                         default=None, help="A/B of actor.logits_chunk_mb:actor.keep_logits_mb pairs, e.g. 64:128,96:192")
     parser.add_argument("--keep-large-blocks", type=lambda v: [bool(int(x)) for x in v.split(",")], default=None,
                         help="A/B of trainer.keep_large_blocks (0,1): glibc's heap keeps large freed blocks")
+    parser.add_argument("--cpu-matmul", type=lambda v: v.split(","), default=None,
+                        help="A/B of model.cpu_matmul (onednn,torch): the fp32 linears on oneDNN or on torch's MKL")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates after one warm-up per A/B side")
     parser.add_argument("--kept", action="store_true", help="one more update per side, counting what autograd keeps")
     parser.add_argument("--profile", action="store_true")
@@ -298,7 +314,7 @@ def main() -> None:
     print("micro-batches (rows, groups, tokens as packed): " + ", ".join(
         f"({len(ix)}, {len(set(uids[ix]))}, {packed_tokens(batch, ix)})" for ix in micro))
     if sum(bool(values) for _, values in ab_knobs(args)) > 1:
-        parser.error("alternate one setting at a time: --keep-logits-mb, --release-memory or --fused-layers")
+        parser.error("alternate one setting at a time (--keep-logits-mb, --release-memory, --fused-layers, ...)")
     knob, sides = next(((name, values) for name, values in ab_knobs(args) if values), (None, [None]))
     times: dict = {side: [] for side in sides}
     cpu: dict = {side: [] for side in sides}

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from rlcore.algos.sampling import filter_logits, sampling_filter_active
+from rlcore.models import cpu_matmul
 
 Tensor = torch.Tensor
 FP32_BYTES = 4
@@ -49,9 +50,9 @@ def chunk_tokens_for(vocab_size: int, chunk_mb: float) -> int:
 
 
 def _logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float, top_k: int,
-            top_p: float) -> Tensor:
+            top_p: float, onednn: bool = False) -> Tensor:
     """One chunk's fp32 logits as the sampler saw them: / temperature, then top-k / top-p (-inf)."""
-    z = F.linear(hidden, weight, bias).float()
+    z = cpu_matmul.linear(hidden, weight, bias, onednn).float()
     if temperature != 1.0:
         z.div_(temperature)
     return filter_logits(z, top_k, top_p, labels)
@@ -75,7 +76,7 @@ def _lse_expected_entropy(z: Tensor, filtered: bool) -> tuple[Tensor, Tensor, Te
 
 class _ChunkScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature, top_k, top_p, chunk_tokens, keep_tokens):
+    def forward(ctx, hidden, weight, bias, labels, temperature, top_k, top_p, chunk_tokens, keep_tokens, onednn):
         filtered = sampling_filter_active(top_k, top_p)
         n = hidden.shape[0]
         log_prob = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -83,14 +84,14 @@ class _ChunkScores(torch.autograd.Function):
         kept: list[Tensor] = []  # the first chunks' logits, for the backward to use in place of recomputing them
         for s in range(0, n, chunk_tokens):
             e = min(s + chunk_tokens, n)
-            z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
+            z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p, onednn)
             lse[s:e], expected[s:e], entropy[s:e] = _lse_expected_entropy(z, filtered)
             log_prob[s:e] = z.gather(-1, labels[s:e, None]).squeeze(-1) - lse[s:e]
             if e <= keep_tokens:
                 kept.append(z)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, expected)
         ctx.kept = kept  # not saved tensors: the backward consumes them (a second backward recomputes)
-        ctx.settings = (temperature, top_k, top_p, chunk_tokens, filtered)
+        ctx.settings = (temperature, top_k, top_p, chunk_tokens, filtered, onednn)
         ctx.set_materialize_grads(False)  # an output the loss does not use (often the entropy) gets None
         return log_prob, entropy
 
@@ -100,10 +101,10 @@ class _ChunkScores(torch.autograd.Function):
         factors of both gradients (their sum is linear in z: -g_lp - g_ent (z - E)); the one-hot
         part of the log-prob's added at the labels; divided by the temperature through the factors."""
         hidden, weight, bias, labels, lse, expected = ctx.saved_tensors
-        temperature, top_k, top_p, chunk_tokens, filtered = ctx.settings
+        temperature, top_k, top_p, chunk_tokens, filtered, onednn = ctx.settings
         kept, ctx.kept = ctx.kept, []  # worked on in place below: a second backward must recompute them
         if grad_log_prob is None and grad_entropy is None:
-            return (None,) * 9
+            return (None,) * 10
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = grad_b = None
@@ -113,7 +114,7 @@ class _ChunkScores(torch.autograd.Function):
             if i < len(kept):
                 z, kept[i] = kept[i], None  # freed as soon as this chunk's gradient is taken
             else:
-                z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p)
+                z = _logits(hidden[s:e], weight, bias, labels[s:e], temperature, top_k, top_p, onednn)
             g_lp = grad_log_prob[s:e, None] / temperature if grad_log_prob is not None else None
             if grad_entropy is not None:  # the entropy's factor -g_ent (z - E), before z turns into p
                 g_ent = grad_entropy[s:e, None] / temperature
@@ -132,7 +133,7 @@ class _ChunkScores(torch.autograd.Function):
                 grad_z.scatter_add_(-1, labels[s:e, None], g_lp)  # + 1[v = y] of the log-prob's
             grad_pre = grad_z.to(hidden.dtype)
             if want_h:
-                grad_h[s:e] = grad_pre @ weight
+                grad_h[s:e] = cpu_matmul.input_grad(grad_pre, weight, onednn)
             if want_w:
                 part = grad_pre.t() @ hidden[s:e]
                 grad_w = part.float() if grad_w is None else grad_w.add_(part)
@@ -140,18 +141,19 @@ class _ChunkScores(torch.autograd.Function):
                 part = grad_pre.float().sum(0)
                 grad_b = part if grad_b is None else grad_b.add_(part)
         return (grad_h, None if grad_w is None else grad_w.to(weight.dtype),
-                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None)
+                None if grad_b is None else grad_b.to(bias.dtype), None, None, None, None, None, None, None)
 
 
 def token_log_probs_and_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Tensor | None = None,
                                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                                chunk_tokens: int = 1024, keep_tokens: int = 0) -> tuple[Tensor, Tensor]:
+                                chunk_tokens: int = 1024, keep_tokens: int = 0, onednn: bool = False) -> tuple[Tensor, Tensor]:
     """(log p(label), entropy), fp32 and shaped like ``labels``, of the distribution
     ``filter(softmax(hidden @ weight.T + bias) / temperature)``; ``hidden`` is (..., H), ``labels`` (...).
 
     Differentiable in ``hidden``, ``weight`` and ``bias`` (both outputs). ``keep_tokens``: up to this
     many positions' logits (whole chunks) are kept for the backward instead of recomputed there; only
-    where a backward can follow (grad enabled and an input that needs it)."""
+    where a backward can follow (grad enabled and an input that needs it). ``onednn``: the head's matmuls
+    (but the weight's gradient) on oneDNN where it applies (``rlcore.models.cpu_matmul``)."""
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} must agree but for the last dim")
     if chunk_tokens < 1:
@@ -159,5 +161,5 @@ def token_log_probs_and_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, 
     flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).long()
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     log_prob, entropy = _ChunkScores.apply(flat_h, weight, bias, flat_y, temperature, top_k, top_p, chunk_tokens,
-                                           keep_tokens if grads else 0)
+                                           keep_tokens if grads else 0, onednn)
     return log_prob.reshape(labels.shape), entropy.reshape(labels.shape)

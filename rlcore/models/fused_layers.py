@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlcore.models import cpu_matmul
+
 # transformers' classes whose forward is exactly the math below (transformers 5.x; read in its modeling files)
 RMSNORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "Qwen3MoeRMSNorm"})
 MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP", "Qwen3MoeMLP"})
@@ -97,10 +99,11 @@ class SwiGLUDownFunction(torch.autograd.Function):
     over (N, intermediate) against the matmuls' N x intermediate x hidden)."""
 
     @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                onednn: bool = False):
         ctx.save_for_backward(gate, up, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(F.silu(gate) * up, weight, bias)
+        ctx.has_bias, ctx.onednn = bias is not None, onednn
+        return cpu_matmul.linear(F.silu(gate) * up, weight, bias, onednn)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -112,10 +115,10 @@ class SwiGLUDownFunction(torch.autograd.Function):
             grad_weight = grad_2d.t().mm((silu * up).reshape(-1, up.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = grad_2d.sum(0)
-        grad_product = grad.matmul(weight)
+        grad_product = cpu_matmul.input_grad(grad, weight, ctx.onednn)
         grad_up = grad_product * silu if ctx.needs_input_grad[1] else None
         grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate) if ctx.needs_input_grad[0] else None
-        return grad_gate, grad_up, grad_weight, grad_bias
+        return grad_gate, grad_up, grad_weight, grad_bias, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -127,7 +130,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_down(gate: torch.Tensor, up: torch.Tensor, down: nn.Linear) -> torch.Tensor:
-    return SwiGLUDownFunction.apply(gate, up, down.weight, down.bias)
+    """On oneDNN where ``down``'s own forward would be (``rlcore.models.cpu_matmul.install_cpu_matmul``)."""
+    return SwiGLUDownFunction.apply(gate, up, down.weight, down.bias, getattr(down, cpu_matmul.MARK, False))
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from rlcore.algos.kl import kl_penalty
 from rlcore.algos.losses import LossScale, PolicyLossInput, agg_loss, get_policy_loss
 from rlcore.algos.stats import masked_mean
 from rlcore.models.config import ModelConfig
+from rlcore.models.cpu_matmul import install_cpu_matmul
 from rlcore.models.fused_layers import install_fused_layers
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, register
@@ -94,6 +95,8 @@ class ActorWorker(FSDPTrainWorker):
             install_fused_layers(model)
         # scores tokens without (B, T, V) logits; keeps up to actor.keep_logits_mb of them for the backward
         self.head = install_response_head(model, self.train_cfg.logits_chunk_mb, self.train_cfg.keep_logits_mb)
+        install_cpu_matmul(model, model_cfg.cpu_matmul)  # fp32 linears on CPU through oneDNN (the head too)
+        self.head.onednn = model_cfg.cpu_matmul == "onednn"
         # MoE: frozen routers (actor only) and router-replay hooks; None for a dense model
         self.moe = MoEActor.build(model, self.role == "actor" and self.train_cfg.freeze_router, self.train_cfg.router_replay)
         if self.role == "ref":

@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from rlcore.algos.losses import LossScale, compute_value_loss
 from rlcore.algos.stats import masked_mean
 from rlcore.models.config import ModelConfig, torch_dtype
+from rlcore.models.cpu_matmul import install_cpu_matmul
 from rlcore.models.fused_layers import install_fused_layers
 from rlcore.protocol import DataProto
 from rlcore.single_controller import Dispatch, register
@@ -60,6 +61,7 @@ class CriticWorker(FSDPTrainWorker):
         backbone = AutoModelForCausalLM.from_pretrained(model_cfg.require_local_dir(), **load_kwargs(model_cfg)).base_model
         if model_cfg.fused_layers:  # RMSNorm and the MLP's SiLU product as fused autograd functions (same bits)
             install_fused_layers(backbone)
+        install_cpu_matmul(backbone, model_cfg.cpu_matmul)  # fp32 linears on CPU through oneDNN
         if model_cfg.gradient_checkpointing:
             backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         head = nn.Linear(backbone.config.hidden_size, 1, dtype=dtype)

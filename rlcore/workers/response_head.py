@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlcore.algos.token_scores import chunk_tokens_for, token_log_probs_and_entropy
+from rlcore.models import cpu_matmul
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ResponseHead(nn.Module):
         self.chunk_tokens = chunk_tokens_for(linear.out_features, chunk_mb)
         self.keep_logits(keep_mb)
         self._request: ScoreRequest | None = None
+        self.onednn = False  # its fp32 CPU matmuls on oneDNN (model.cpu_matmul; rlcore.models.cpu_matmul): the actor sets it
 
     def keep_logits(self, mb: float) -> None:
         """Keep up to ``mb`` MiB of a forward's fp32 logits for its backward (token_scores: no recompute
@@ -49,14 +51,15 @@ class ResponseHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._request is None:
-            return F.linear(hidden, self.weight, self.bias)
+            return cpu_matmul.LinearFunction.apply(hidden, self.weight, self.bias) if self.onednn and \
+                cpu_matmul.uses_onednn(hidden, self.weight) else F.linear(hidden, self.weight, self.bias)
         r = self._request
         if hidden.shape[:-1] != r.labels.shape:
             raise ValueError(f"ResponseHead.scoring: the model handed the head {tuple(hidden.shape[:-1])} positions for "
                              f"labels {tuple(r.labels.shape)}: pass logits_to_keep=scored_positions(...) (packed: rlcore.workers.packing.response_inputs) to its forward")
         log_prob, entropy = token_log_probs_and_entropy(
             hidden, self.weight, r.labels, bias=self.bias, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p,
-            chunk_tokens=self.chunk_tokens, keep_tokens=self.keep_tokens)
+            chunk_tokens=self.chunk_tokens, keep_tokens=self.keep_tokens, onednn=self.onednn)
         if not r.entropy_grad:  # token_scores' backward then skips the entropy's four passes over each chunk
             entropy = entropy.detach()
         return torch.stack([log_prob, entropy], dim=-1)

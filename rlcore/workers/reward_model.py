@@ -42,6 +42,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from rlcore.algos.losses import LossScale
 from rlcore.algos.preference import bradley_terry_loss
 from rlcore.models.config import ModelConfig
+from rlcore.models.cpu_matmul import install_cpu_matmul
 from rlcore.models.fused_layers import install_fused_layers
 from rlcore.protocol import DataProto
 from rlcore.rewards.manager import RewardConfig
@@ -114,6 +115,7 @@ class RewardModelWorker(FSDPTrainWorker):
         body = model.base_model
         if self.trainable and model_cfg.fused_layers:  # RMSNorm and the MLP's SiLU product fused (same bits)
             install_fused_layers(body)
+        install_cpu_matmul(body, model_cfg.cpu_matmul)  # fp32 linears on CPU through oneDNN
         if self.trainable and model_cfg.gradient_checkpointing:
             body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         module = ScalarHeadModel(body, model.score)
