@@ -140,7 +140,7 @@ def test_kept_logits_are_what_the_forward_holds_until_its_backward(monkeypatch):
     assert node.kept == [] and hidden.grad is not None
     asked = []
     apply = token_scores._ChunkScores.apply
-    monkeypatch.setattr(token_scores._ChunkScores, "apply", lambda *args: asked.append(args[-1]) or apply(*args))
+    monkeypatch.setattr(token_scores._ChunkScores, "apply", lambda *args: asked.append(args[-2]) or apply(*args))  # keep_tokens
     with torch.no_grad():
         token_log_probs_and_entropy(hidden, weight, labels, chunk_tokens=8, keep_tokens=16)
     token_log_probs_and_entropy(hidden.detach(), weight.detach(), labels, chunk_tokens=8, keep_tokens=16)

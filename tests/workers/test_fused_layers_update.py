@@ -5,6 +5,7 @@ in fp32 to rounding (why: tests/models/test_fused_layers.py), with and without g
 import pytest
 import torch
 
+from rlcore.models.fused_layers import FUSED_MARK
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.actor import ActorWorker
 
@@ -16,7 +17,7 @@ def updated(path, make_batch, fused, mixed_precision=None, checkpointing=False):
     group = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, config), world_size=1)
     group.init_model()
     worker = group.worker(0)
-    fused_modules = [m for m in worker.module.modules() if "forward" in vars(m)]
+    fused_modules = [m for m in worker.module.modules() if getattr(m, FUSED_MARK, False)]
     metrics = [group.update_policy(make_batch(seed=s))[0] for s in range(2)]
     weights = {k: v.full_tensor().clone() for k, v in worker.module.state_dict().items()}
     return len(fused_modules), metrics, weights
