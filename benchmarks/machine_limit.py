@@ -30,13 +30,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rlcore.models import cpu_matmul
+
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-
-
-def _onednn_linear():
-    """oneDNN's matmul as torch exposes it (``x @ w.T``, exact in fp32), or None in a torch built without it."""
-    op = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-    return None if op is None else (lambda a, b: op(a, b, None, "none", [], ""))
 
 
 def kernel_peaks(dtype: str, size: int = 2048, seconds: float = 1.5) -> dict[str, float]:
@@ -48,7 +44,7 @@ def kernel_peaks(dtype: str, size: int = 2048, seconds: float = 1.5) -> dict[str
     torch_dtype = DTYPES[dtype]
     a = torch.randn(size, size).to(torch_dtype)
     b = torch.randn(size, size).to(torch_dtype)
-    kernels = {"torch.mm": torch.mm, "oneDNN": _onednn_linear()}
+    kernels = {"torch.mm": torch.mm, "oneDNN": cpu_matmul.onednn_linear if cpu_matmul.available() else None}
     rates = {}
     for name, kernel in kernels.items():
         if kernel is None:

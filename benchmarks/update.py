@@ -167,8 +167,7 @@ def set_cpu_matmul(worker, choice: str) -> None:
     """``model.cpu_matmul`` on the actor between updates: its fp32 linears and head on oneDNN, or torch's."""
     from rlcore.models.cpu_matmul import install_cpu_matmul
 
-    install_cpu_matmul(worker.module, choice)
-    worker.head.onednn = choice == "onednn"
+    install_cpu_matmul(worker.module, choice)  # the head's flag too
 
 
 def ab_knobs(args) -> list[tuple[str, list | None]]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from rlcore.errors import MissingFileError, close_file
+from rlcore.models.cpu_matmul import CHOICES as CPU_MATMULS
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -32,7 +33,7 @@ class ModelConfig:
     use_remove_padding: bool = True  # trained roles run packed micro-batches: valid tokens end to end, no padding (rlcore.workers.packing)
     pack_shared_prompts: bool = True  # packed: a group's rows that share a prompt hold it once (rlcore.workers.packing)
     fused_layers: bool = True  # trained roles: RMSNorm and SiLU(gate) * up as fused autograd functions, same bits, less kept (rlcore.models.fused_layers)
-    cpu_matmul: str = "onednn"  # trained roles' fp32 linears on CPU: "onednn" (~20% faster than MKL's on AVX-512) or "torch" (rlcore.models.cpu_matmul)
+    cpu_matmul: str = "onednn"  # trained roles' fp32 linears on CPU: "onednn" (kernels ~20% faster than MKL's on AVX-512 Zen 4; the SmolLM2 update ~4%) or "torch" (rlcore.models.cpu_matmul)
     attn_implementation: str | None = None  # the trained roles' attention kernel (transformers'): "eager", "sdpa", "flash_attention_2"; null: transformers' choice (sdpa)
 
     def __post_init__(self) -> None:
@@ -43,8 +44,8 @@ class ModelConfig:
         if self.attn_implementation not in (None, *ATTN_IMPLEMENTATIONS):
             raise ValueError(f"model.attn_implementation must be null or one of {ATTN_IMPLEMENTATIONS}, "
                              f"got {self.attn_implementation!r}")
-        if self.cpu_matmul not in ("onednn", "torch"):
-            raise ValueError(f"model.cpu_matmul must be 'onednn' or 'torch', got {self.cpu_matmul!r}")
+        if self.cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"model.cpu_matmul must be one of {list(CPU_MATMULS)}, got {self.cpu_matmul!r}")
         if self.mixed_precision and torch_dtype(self.dtype) != torch.float32:
             raise ValueError(f"model.mixed_precision={self.mixed_precision} computes in bf16 over float32 parameters; "
                              f"model.dtype is {self.dtype!r}: set model.dtype=float32")

@@ -14,9 +14,11 @@ few ulps, ~1e-6 relative; tests/models/test_cpu_matmul.py). Anything else (CUDA,
 precision, a torch without oneDNN) takes torch's path unchanged, so the switch costs nothing there.
 
 ``install_cpu_matmul(model)`` swaps the forward of every plain ``nn.Linear`` in ``model`` (LoRA's base
-layers included; a wrapped or hooked one keeps its own) for ``LinearFunction``; the fused MLP
-(``rlcore.models.fused_layers``) and the response head (``rlcore.algos.token_scores``) call
-``linear`` and ``input_grad`` themselves. ``model.cpu_matmul`` (``onednn``, the default, or ``torch``).
+layers included: peft calls them; hooks still run around the new forward) for ``LinearFunction``, and
+switches on the modules that compute their own linears: the fused MLP's down projection
+(``rlcore.models.fused_layers``) follows its linear's ``MARK``, and a module carrying a bool ``onednn``
+(the response head, ``rlcore.workers.response_head``, whose ``rlcore.algos.token_scores`` calls ``linear``
+and ``input_grad``) gets it set. ``model.cpu_matmul`` (``onednn``, the default, or ``torch``).
 """
 
 from __future__ import annotations
@@ -29,13 +31,23 @@ from torch import nn
 
 _LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 MARK = "_rlcore_cpu_matmul"  # set on a linear whose forward was swapped
+FLAG = "onednn"  # a bool attribute of a module that computes its own linears: install_cpu_matmul sets it
 CHOICES = ("onednn", "torch")
+
+
+def available() -> bool:
+    """Whether this torch has oneDNN's linear (every x86 build does)."""
+    return _LINEAR is not None
+
+
+def onednn_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x2d @ weight.T + bias`` by oneDNN, as it is (2-D ``x2d``; ``weight`` may be a strided view)."""
+    return _LINEAR(x2d, weight, bias, "none", [], "")
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``linear`` / ``input_grad`` of these operands run on oneDNN: fp32 on CPU, oneDNN present."""
-    return (_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32
-            and weight.dtype == torch.float32)
+    return available() and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = True) -> torch.Tensor:
@@ -43,7 +55,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     of its own: ``LinearFunction`` or the caller's backward differentiates it."""
     if not (onednn and uses_onednn(x, weight)):
         return F.linear(x, weight, bias)
-    out = _LINEAR(x.reshape(-1, x.shape[-1]), weight, bias, "none", [], "")
+    out = onednn_linear(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -52,7 +64,7 @@ def input_grad(grad: torch.Tensor, weight: torch.Tensor, onednn: bool = True) ->
     (``weight.T`` handed over as a view: oneDNN reads the strides, no copy)."""
     if not (onednn and uses_onednn(grad, weight)):
         return grad.matmul(weight)
-    out = _LINEAR(grad.reshape(-1, grad.shape[-1]), weight.t(), None, "none", [], "")
+    out = onednn_linear(grad.reshape(-1, grad.shape[-1]), weight.t())
     return out.view(*grad.shape[:-1], weight.shape[1])
 
 
@@ -76,19 +88,28 @@ class LinearFunction(torch.autograd.Function):
         return grad_x, grad_weight, grad_bias
 
 
+def linear_layer(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 onednn: bool = True) -> torch.Tensor:
+    """A linear layer's call, differentiable: ``LinearFunction`` where ``uses_onednn``, else ``F.linear``."""
+    if onednn and uses_onednn(x, weight):
+        return LinearFunction.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if not uses_onednn(x, self.weight):
-        return F.linear(x, self.weight, self.bias)
-    return LinearFunction.apply(x, self.weight, self.bias)
+    return linear_layer(x, self.weight, self.bias)
 
 
 def install_cpu_matmul(model: nn.Module, choice: str = "onednn") -> int:
-    """Swap the forward of every plain ``nn.Linear`` of ``model`` for ``LinearFunction`` (``choice="torch"``:
-    give them torch's back; the benchmarks' A/B between updates). Returns how many are swapped now."""
+    """Swap the forward of every plain ``nn.Linear`` of ``model`` for ``LinearFunction`` and set ``FLAG`` on the
+    modules that carry it (``choice="torch"``: give them torch's back; the benchmarks' A/B between
+    updates). Returns how many linears are swapped now."""
     if choice not in CHOICES:
         raise ValueError(f"model.cpu_matmul must be one of {list(CHOICES)}, got {choice!r}")
     swapped = 0
     for module in model.modules():
+        if isinstance(getattr(module, FLAG, None), bool):
+            setattr(module, FLAG, choice == "onednn")
         if type(module) is not nn.Linear:
             continue
         if choice == "torch":

@@ -96,7 +96,6 @@ class ActorWorker(FSDPTrainWorker):
         # scores tokens without (B, T, V) logits; keeps up to actor.keep_logits_mb of them for the backward
         self.head = install_response_head(model, self.train_cfg.logits_chunk_mb, self.train_cfg.keep_logits_mb)
         install_cpu_matmul(model, model_cfg.cpu_matmul)  # fp32 linears on CPU through oneDNN (the head too)
-        self.head.onednn = model_cfg.cpu_matmul == "onednn"
         # MoE: frozen routers (actor only) and router-replay hooks; None for a dense model
         self.moe = MoEActor.build(model, self.role == "actor" and self.train_cfg.freeze_router, self.train_cfg.router_replay)
         if self.role == "ref":

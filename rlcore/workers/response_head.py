@@ -42,7 +42,7 @@ class ResponseHead(nn.Module):
         self.chunk_tokens = chunk_tokens_for(linear.out_features, chunk_mb)
         self.keep_logits(keep_mb)
         self._request: ScoreRequest | None = None
-        self.onednn = False  # its fp32 CPU matmuls on oneDNN (model.cpu_matmul; rlcore.models.cpu_matmul): the actor sets it
+        self.onednn = False  # its fp32 CPU matmuls on oneDNN: set by rlcore.models.cpu_matmul.install_cpu_matmul (its FLAG)
 
     def keep_logits(self, mb: float) -> None:
         """Keep up to ``mb`` MiB of a forward's fp32 logits for its backward (token_scores: no recompute
@@ -51,8 +51,7 @@ class ResponseHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._request is None:
-            return cpu_matmul.LinearFunction.apply(hidden, self.weight, self.bias) if self.onednn and \
-                cpu_matmul.uses_onednn(hidden, self.weight) else F.linear(hidden, self.weight, self.bias)
+            return cpu_matmul.linear_layer(hidden, self.weight, self.bias, self.onednn)
         r = self._request
         if hidden.shape[:-1] != r.labels.shape:
             raise ValueError(f"ResponseHead.scoring: the model handed the head {tuple(hidden.shape[:-1])} positions for "

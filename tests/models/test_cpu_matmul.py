@@ -77,7 +77,10 @@ def test_a_model_on_onednn_gives_torchs_logits_and_gradients_and_the_switch_goes
     install_fused_layers(reference)
     model = tiny_llama()
     install_fused_layers(model)
+    model.own_linears = nn.Module()  # a module computing its own linears, as the response head does: its flag is set
+    model.own_linears.onednn = False
     assert install_cpu_matmul(model) == 2 * 7 + 1  # the lm_head too
+    assert model.own_linears.onednn is True
     calls = calls_to_onednn(monkeypatch)
     for m in (reference, model):
         m(ids, labels=ids).loss.backward()
@@ -85,7 +88,7 @@ def test_a_model_on_onednn_gives_torchs_logits_and_gradients_and_the_switch_goes
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert install_cpu_matmul(model, "torch") == 0
+    assert install_cpu_matmul(model, "torch") == 0 and model.own_linears.onednn is False
     calls.clear()
     model(ids)
     assert calls == [] and not any(hasattr(m, cpu_matmul.MARK) for m in model.modules())

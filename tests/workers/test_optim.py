@@ -6,6 +6,7 @@ import copy
 import torch
 from torch import nn
 
+from rlcore.models import cpu_matmul
 from rlcore.single_controller import ClassWithInitArgs, LocalWorkerGroup
 from rlcore.workers.actor import ActorWorker
 from rlcore.workers.config import TrainConfig
@@ -64,12 +65,14 @@ def test_a_gradient_already_there_is_kept():
 
 def test_sharded_actor_starts_with_its_moments_and_updates_as_with_lazy_ones(tiny_model_dir, make_batch):
     """Through FSDP2 (DTensor parameters): the actor's optimizer holds every trained parameter's moments
-    after init_model, and an update from them equals one from moments made by the first step."""
+    after init_model, and an update from them equals one from moments made by the first step. (The
+    response head's oneDNN flag is checked here too: the same actor, built as the recipes build it.)"""
     results = []
     for lazy in (False, True):
         wg = LocalWorkerGroup(ClassWithInitArgs(ActorWorker, actor_config(tiny_model_dir, optimizer="adamw", lr=1e-2)), 1)
         wg.init_model()
         worker = wg.worker(0)
+        assert worker.head.onednn == cpu_matmul.available()  # model.cpu_matmul's default reaches the response head
         trained = [p for p in worker.module.parameters() if p.requires_grad]
         assert len(worker.optimizer.state) == len(trained)
         assert all(float(s["step"]) == 0 and not s["exp_avg"].full_tensor().any() for s in worker.optimizer.state.values())
