@@ -8,8 +8,8 @@ The SmolLM2 preset's rollout: 16 ``arithmetic_words`` prompts in SmolLM2's chat 
 x n=8 samples, 32 new tokens, temperature 0.7, every row sampled to its full length (``ignore_eos``),
 so both sides generate exactly the same number of tokens. Two engines of one backend live in this
 process, one without sharing and one with: HF ``rollout.share_prompt`` false / true (every row
-prefills its own copy of the prompt / each distinct prompt once), vLLM ``rollout.block_size`` null
-(vLLM's default, 128 on CPU) / ``--block-size`` (32: its prefix cache then serves a group's other
+prefills its own copy of the prompt / each distinct prompt once), vLLM ``rollout.block_size`` 128
+(vLLM's CPU default) / ``--block-size`` (32, rlcore's CPU default: its prefix cache then serves a group's other
 rows their prompt's full 32-token blocks); timed calls alternate between them (off, on, on, off, ...), so the machine's load swings fall
 on both alike, and the ratio of their medians is the number to read. Each call's CPU time (the
 process's, every thread: both engines compute in this process) is printed too: on a machine shared
@@ -34,6 +34,8 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from rlcore.engines.shared_prompt import SHARED_BLOCK_SIZE  # noqa: E402
+
+VLLM_CPU_BLOCK_SIZE = 128  # vLLM's own CPU default: the side that shares no prompt block
 
 
 def prompt_batch(tok, count: int, chat: bool, n: int):
@@ -133,7 +135,7 @@ def run(args: argparse.Namespace) -> dict:
         cfg = RolloutConfig(backend=args.backend, n=args.n, temperature=args.temperature, max_new_tokens=args.new_tokens,
                             dtype=args.dtype, share_prompt=share, max_model_len=input_ids.shape[1] + args.new_tokens,
                             kv_cache_memory_bytes=1 << 30 if vllm else None,
-                            block_size=args.block_size if vllm and share else None)
+                            block_size=(args.block_size if share else VLLM_CPU_BLOCK_SIZE) if vllm else None)
         engines[share] = build_engine(ModelConfig(path=path), cfg)
         counters[share] = PrefillCounter(engines[share], rows, args.new_tokens)
     sample = SamplingSettings(temperature=args.temperature, top_p=1.0, top_k=0, max_new_tokens=args.new_tokens, n=1,

@@ -45,6 +45,7 @@ from rlcore.engines.base import RolloutConfig, SamplingSettings
 from rlcore.engines.dtype_choice import default_vllm_dtype
 from rlcore.engines.kv_cache_size import vllm_overrides
 from rlcore.engines.probe import vllm_probe_params, vllm_probe_reply
+from rlcore.engines.vllm_cpu_norm import cpu_kernel_config
 from rlcore.engines.vllm_logs import quiet_vllm_logs
 from rlcore.engines.weights import WeightBucket
 from rlcore.models.config import ModelConfig, torch_dtype
@@ -61,7 +62,8 @@ class AsyncVLLMEngine(AsyncEngine):
 
         self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
         extra = vllm_overrides(rollout_cfg, AutoConfig.from_pretrained(model_cfg.require_path()),
-                               torch_dtype(self.dtype, "rollout.dtype"))
+                               torch_dtype(self.dtype, "rollout.dtype"), device)
+        extra.update(cpu_kernel_config(device))  # RMSNorm on the CPU build's fused kernels (rlcore.engines.vllm_cpu_norm)
         args = AsyncEngineArgs(
             model=model_cfg.require_path(), dtype=torch_dtype(self.dtype, "rollout.dtype"),
             enforce_eager=rollout_cfg.enforce_eager, max_model_len=rollout_cfg.max_model_len,

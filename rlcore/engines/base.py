@@ -47,7 +47,7 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.1  # vllm: fraction of device memory (on CPU: of RAM) for the KV cache
     kv_cache_memory_bytes: int | None = None  # vllm: KV cache size in bytes; overrides gpu_memory_utilization
     # vllm: KV cache size in tokens (bytes from the model's shape and the engine's dtype: kv_cache_bytes);
-    # overrides both above. Size it to the batch the engine serves: a row takes whole blocks (128 tokens on CPU)
+    # overrides both above. Size it to the batch the engine serves: a row takes whole blocks (rollout.block_size)
     kv_cache_tokens: int | None = None
     max_model_len: int | None = None  # vllm: longest prompt + response; null: the model's max positions
     enforce_eager: bool = True  # vllm: no CUDA graphs / compilation (fast start; what works on CPU)
@@ -65,9 +65,9 @@ class RolloutConfig:
     # HF engine: the rows of one prompt (its n samples) share the prompt's prefill, each distinct prompt computed
     # once and its KV copied to the rows (rlcore.engines.shared_prompt); false: every row prefills its own copy
     share_prompt: bool = True
-    # vllm: KV block size in tokens, the granule of its prefix cache (which shares whole blocks only); null: vLLM's
-    # default, 128 on CPU, which a ~47-token chat prompt never fills; 32 (the CPU kernel's smallest) lets a
-    # group's rows share their prompt's first 32 tokens (benchmarks/shared_prompt.py)
+    # vllm: KV block size in tokens, the granule of its prefix cache (which shares whole blocks only); null: 32 on
+    # CPU (its attention kernel's smallest: a group's rows share their prompt's first 32 tokens, where vLLM's
+    # CPU default of 128 never fills with a ~47-token chat prompt; benchmarks/shared_prompt.py), vLLM's default elsewhere
     block_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -87,7 +87,8 @@ class RolloutConfig:
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"rollout.max_num_seqs must be >= 1 (or null: the engine's default), got {self.max_num_seqs}")
         if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"rollout.block_size must be >= 1 (or null: vLLM's default), got {self.block_size}")
+            raise ValueError(f"rollout.block_size must be >= 1 (or null: 32 on CPU, vLLM's default elsewhere), "
+                             f"got {self.block_size}")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"rollout.prefix_cache_bytes must be >= 0 (0: off), got {self.prefix_cache_bytes}")
         SamplingSettings.from_config(self)  # validates the sampling keys

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from rlcore.engines.base import RolloutConfig
+from rlcore.engines.shared_prompt import SHARED_BLOCK_SIZE
 
 
 def kv_cache_bytes(hf_config, dtype: torch.dtype) -> int:
@@ -28,10 +29,15 @@ def kv_cache_bytes(hf_config, dtype: torch.dtype) -> int:
     return text.num_hidden_layers * 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def vllm_overrides(rollout_cfg: RolloutConfig, hf_config, dtype: torch.dtype) -> dict:
+def vllm_overrides(rollout_cfg: RolloutConfig, hf_config, dtype: torch.dtype, device: str = "cpu") -> dict:
     """The engine arguments the ``rollout`` section sets (``RolloutConfig.vllm_overrides``), with
-    ``kv_cache_tokens`` as the bytes they take in ``dtype``."""
+    ``kv_cache_tokens`` as the bytes they take in ``dtype``, and on CPU a ``block_size`` left null as
+    ``SHARED_BLOCK_SIZE``: vLLM's CPU default of 128-token blocks, which its prefix cache shares whole
+    only, leaves a group's rows (or a session's turns) to prefill a ~50-token prompt each
+    (rlcore.engines.shared_prompt)."""
     out = rollout_cfg.vllm_overrides()
+    if rollout_cfg.block_size is None and torch.device(device).type == "cpu":
+        out["block_size"] = SHARED_BLOCK_SIZE
     if rollout_cfg.kv_cache_tokens is not None:
         out["kv_cache_memory_bytes"] = rollout_cfg.kv_cache_tokens * kv_cache_bytes(hf_config, dtype)
     return out

@@ -48,6 +48,7 @@ from rlcore.engines.kv_cache_size import vllm_overrides
 from rlcore.engines.probe import vllm_probe_params, vllm_probe_reply
 from rlcore.engines.seeding import CallSeeds, derive_seed
 from rlcore.engines.vllm_checksums import engine_checksums
+from rlcore.engines.vllm_cpu_norm import cpu_kernel_config
 from rlcore.engines.vllm_logs import quiet_vllm_logs
 from rlcore.engines.vllm_worker import drop_dense_parallel_groups, in_place_plan, reload_weights
 from rlcore.models.config import ModelConfig, torch_dtype
@@ -83,7 +84,8 @@ class VLLMEngine(Engine):
             longest = rollout_cfg.max_model_len or hf_config.max_position_embeddings
             engine_kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(WHOLE_PROMPT_BUDGET, longest))
         self.dtype = rollout_cfg.dtype or default_vllm_dtype(device)  # null: bf16 only where it is native
-        engine_kwargs.update(vllm_overrides(rollout_cfg, hf_config, torch_dtype(self.dtype, "rollout.dtype")))
+        engine_kwargs.update(vllm_overrides(rollout_cfg, hf_config, torch_dtype(self.dtype, "rollout.dtype"), device))
+        engine_kwargs.update(cpu_kernel_config(device))  # RMSNorm on the CPU build's fused kernels
         self.cpu_weight_layout = rollout_cfg.cpu_weight_layout
         self.rows_decoded = 0  # the largest batch generated so far: where "auto" measures the matmuls
         self.weight_layouts: dict[str, int] | None = None  # after an in-place update: layers packed / plain

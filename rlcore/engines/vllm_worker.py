@@ -14,6 +14,7 @@ imports it in its worker at start-up (``rlcore.engines``' own package imports ar
 from __future__ import annotations
 
 import os
+import sys
 import time
 from contextlib import contextmanager
 
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from rlcore.engines.base import CPU_WEIGHT_LAYOUTS
 from rlcore.engines.host_memory import release_pages
+from rlcore.engines import vllm_cpu_norm
 from rlcore.engines.vllm_checksums import engine_checksums
 
 PLAIN_TOLERANCE = 1.05  # auto: a layer goes plain if that measures at most 5% slower than vLLM's packed kernel
@@ -449,3 +451,7 @@ def drop_dense_parallel_groups() -> None:
         parallel_state.get_ep_group()
     except AssertionError:
         parallel_state.destroy_model_parallel()
+
+
+if "vllm" in sys.modules:  # vLLM's engine-core process, resolving this module as its worker extension: the
+    vllm_cpu_norm.register()  # RMSNorm kernels the engine's kernel_config names, before its worker sets them

@@ -24,8 +24,17 @@ def test_bytes_per_token_of_smollm2_by_hand():
 
 def test_tokens_override_bytes_and_are_checked():
     cfg = RolloutConfig(backend="vllm", kv_cache_memory_bytes=1 << 30, kv_cache_tokens=16384, max_num_seqs=128)
-    assert vllm_overrides(cfg, SMOLLM2, torch.bfloat16) == {"kv_cache_memory_bytes": 16384 * 23_040, "max_num_seqs": 128}
-    assert vllm_overrides(RolloutConfig(kv_cache_memory_bytes=1 << 30), SMOLLM2, torch.bfloat16) == {
+    assert vllm_overrides(cfg, SMOLLM2, torch.bfloat16, device="cuda") == {"kv_cache_memory_bytes": 16384 * 23_040,
+                                                                          "max_num_seqs": 128}
+    assert vllm_overrides(RolloutConfig(kv_cache_memory_bytes=1 << 30), SMOLLM2, torch.bfloat16, device="cuda") == {
         "kv_cache_memory_bytes": 1 << 30}
     with pytest.raises(ValueError, match="rollout.kv_cache_tokens must be >= 1"):
         RolloutConfig(kv_cache_tokens=0)
+
+
+def test_a_null_block_size_is_32_on_cpu_only():
+    """vLLM's CPU default (128-token blocks) never fills with a ~50-token prompt, so its prefix cache could
+    share nothing between a group's rows: rlcore asks for 32 on CPU; an explicit size, or another device, wins."""
+    assert vllm_overrides(RolloutConfig(), SMOLLM2, torch.float32) == {"block_size": 32}
+    assert vllm_overrides(RolloutConfig(), SMOLLM2, torch.float32, device="cuda") == {}
+    assert vllm_overrides(RolloutConfig(block_size=128), SMOLLM2, torch.float32) == {"block_size": 128}

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
 MAX_NEW = 16
-KV_TOKENS = 5000  # rollout.kv_cache_tokens: 156 whole blocks of 32 tokens (the fixture's block_size)
+KV_TOKENS = 5000  # rollout.kv_cache_tokens: 156 whole blocks of 32 tokens (rlcore's CPU block size)
 LOGPROB_TOL = 1e-5
 LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids")
 
@@ -28,11 +28,10 @@ LAYOUT_KEYS = ("prompts", "responses", "response_mask", "input_ids", "attention_
 def vllm_engine(model_dir):
     from rlcore.engines.vllm_engine import VLLMEngine
 
-    # 32-token KV blocks (rollout.block_size, vLLM's CPU default is 128): the prefix cache can share a
-    # short prompt's blocks (test_the_rows_of_a_prompt_share_its_prefill_through_the_prefix_cache); the
-    # default block size is under test in tests/workers (test_weight_sync: greedy = HF after a sync)
+    # rollout.block_size left null: rlcore's CPU default of 32-token KV blocks (vLLM's own is 128), so the
+    # prefix cache can share a short prompt's blocks (test_the_rows_of_a_prompt_share_its_prefill_through_the_prefix_cache)
     cfg = RolloutConfig(backend="vllm", dtype="float32", max_new_tokens=MAX_NEW, kv_cache_tokens=KV_TOKENS,
-                        max_model_len=128, block_size=32)
+                        max_model_len=128)
     engine = build_engine(ModelConfig(path=model_dir), cfg)
     assert isinstance(engine, VLLMEngine)
     return engine
@@ -78,6 +77,19 @@ def test_greedy_matches_hf_token_for_token(vllm_engine, hf_engine, hf_greedy, to
         assert torch.equal(out_v.batch["responses"], hf_greedy.batch["responses"])
     else:
         assert lengths[1] <= 6 and (lengths[1:] < MAX_NEW).any()  # the stop condition fired, identically
+
+
+def test_its_norms_run_on_the_cpu_builds_fused_kernels(vllm_engine, hf_greedy, tok):
+    """rlcore.engines.vllm_cpu_norm: every decoder layer's norms go through vLLM's compiled CPU kernels
+    (seen as ops in the profile, none of the native math's ``pow``), and greedy output is HF's still."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        out = generate(vllm_engine, make_prompts(tok), GREEDY)
+    ops = {event.key: event.count for event in prof.key_averages()}
+    assert ops.get("_C::fused_add_rms_norm", 0) > 0 and ops.get("_C::rms_norm", 0) > 0
+    assert "aten::pow" not in ops
+    assert torch.equal(out.batch["responses"], hf_greedy.batch["responses"])
 
 
 @pytest.mark.parametrize("params", [{"temperature": 1.0}, {"temperature": 0.7, "top_k": 5},
@@ -160,7 +172,7 @@ LONG_PROMPTS = ["12+3=" * 9, "7*8=" * 10, "100-99=" * 6]  # 45, 40, 42 character
 
 
 def test_the_rows_of_a_prompt_share_its_prefill_through_the_prefix_cache(vllm_engine, hf_engine, tok, ref_model):
-    """rollout.block_size=32 (the fixture's): 32-token KV blocks, so a group's rows find the first row's
+    """rollout.block_size null (the fixture's): 32-token KV blocks on CPU, so a group's rows find the first row's
     prompt block in the prefix cache (in the same step) instead of computing it again; what they sample
     is unchanged: greedy = the HF engine's, sampled log-probs = the teacher-forced ones."""
     from rlcore.engines.shared_prompt import SHARED_BLOCK_SIZE
