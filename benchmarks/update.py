@@ -186,7 +186,7 @@ SETTERS = {  # each knob set on the live worker between updates
     "cpu_matmul": lambda worker, choice: set_cpu_matmul(worker, choice),
 }
 
-KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm")),
+KINDS = (("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "mkldnn::_linear_pointwise")),
          ("attention (SDPA)", ("scaled_dot_product",)),
          ("copies (copy_, cat, fill_)", ("aten::copy_", "aten::cat", "aten::fill_", "aten::zero_")),
          ("index ops", ("index", "scatter", "gather", "embedding")),
