@@ -113,7 +113,7 @@ def run_rlcore(args) -> dict:
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
-    from benchmarks.machine_limit import ModelShape
+    from benchmarks.machine_limit import ModelShape, dtype_name
     from rlcore.algos.advantages import compute_grpo_outcome_advantage
     from rlcore.data.dataset import collate_prompts
     from rlcore.protocol import DataProto
@@ -149,7 +149,7 @@ def run_rlcore(args) -> dict:
     threads = torch.get_num_threads()
     train_dtype = group.worker(0, "actor").compute_dtype or "float32"
     engine = group.worker(0, "rollout").engine  # the dtype it samples in, as the engine resolved it
-    rollout_dtype = str(getattr(engine, "dtype", None) or next(engine.model.parameters()).dtype).removeprefix("torch.")
+    rollout_dtype = dtype_name(getattr(engine, "dtype", None) or next(engine.model.parameters()).dtype)
     reward = RuleRewardManager(tok, reward_name(args.task), num_workers=0)
     examples = make_prompts(args.prompts, args.task)
     items = [{"input_ids": torch.tensor(prompt_ids(tok, e["prompt"])), "ground_truth": e["answer"], "uid": str(i)}

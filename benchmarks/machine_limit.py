@@ -35,6 +35,13 @@ from rlcore.models import cpu_matmul
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The name the peaks are keyed by: "fp32", "float32", "torch.float32" or torch.float32 -> "float32"."""
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype) or getattr(torch, dtype.removeprefix("torch."))
+    return str(dtype).removeprefix("torch.")
+
+
 def kernel_peaks(dtype: str, size: int = 2048, seconds: float = 1.5) -> dict[str, float]:
     """Best FLOP/s of ``size`` x ``size`` matmuls in ``dtype`` over about ``seconds`` (after one warm-up), per
     kernel this torch has: ``torch.mm`` (MKL's sgemm in fp32 on x86; oneDNN in bf16) and ``oneDNN``

@@ -59,7 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import AutoConfig
 
 import recipes.grpo
-from benchmarks.machine_limit import DTYPES, MeasuredPeak, ModelShape, mfu
+from benchmarks.machine_limit import MeasuredPeak, ModelShape, dtype_name, mfu
 from rlcore.single_controller.worker_group import GroupFuture, GroupMethod
 from rlcore.trainer.loop import TrainingRun
 from rlcore.trainer.process_memory import rss_high_water
@@ -200,7 +200,7 @@ def main() -> None:
     rows, parts, peaks, run_config, memory = run(overrides, steps)
     matmul.measure("end")
     dtypes = stage_dtypes(run_config)
-    peak = {d: matmul.best[str(DTYPES[d]).removeprefix("torch.")] for d in sorted(set(dtypes.values()))}
+    peak = {d: matmul.best[dtype_name(d)] for d in sorted(set(dtypes.values()))}
     flops = stage_flops(rows, run_config)
 
     step_s, wall = median(rows, "timing_s/step"), parts["wall"]

@@ -71,6 +71,15 @@ def test_the_measured_peak_is_the_best_kernel_and_window_per_dtype(monkeypatch):
                                 "bfloat16 400 GFLOP/s (start: torch.mm 400; end: torch.mm 380)")
 
 
+def test_a_dtype_has_one_name_for_the_peaks():
+    import torch
+
+    from benchmarks.machine_limit import dtype_name
+
+    assert {dtype_name(d) for d in ("fp32", "float32", "torch.float32", torch.float32)} == {"float32"}
+    assert {dtype_name(d) for d in ("bf16", "bfloat16", torch.bfloat16)} == {"bfloat16"}
+
+
 def test_every_kernel_is_timed_and_the_peak_is_the_fastest():
     from benchmarks.machine_limit import kernel_peaks, matmul_peak
 
