@@ -72,3 +72,10 @@ def cpu_kernel_config(device: str) -> dict:
     if torch.device(device).type != "cpu" or not register():
         return {}
     return {"kernel_config": {"ir_op_priority": {"rms_norm": [PROVIDER], "fused_add_rms_norm": [PROVIDER]}}}
+
+
+def providers() -> dict[str, list[str]]:
+    """The implementations this process's vLLM dispatches its norms to, first choice first (a check)."""
+    from vllm import ir
+
+    return {"rms_norm": ir.ops.rms_norm.get_priority(), "fused_add_rms_norm": ir.ops.fused_add_rms_norm.get_priority()}

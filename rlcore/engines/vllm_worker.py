@@ -50,6 +50,10 @@ class BucketLoader:
         """The consistency check's read-back of this worker's weights (``rlcore.engines.vllm_checksums``)."""
         return engine_checksums(self.model_runner.get_model())
 
+    def norm_providers(self) -> dict[str, list[str]]:
+        """Where this worker's RMSNorm runs (``rlcore.engines.vllm_cpu_norm.providers``)."""
+        return vllm_cpu_norm.providers()
+
 
 def reload_weights(model_runner, named_tensors, layout: str = "packed", decode_rows: int = 0) -> str:
     """Load HF-named weights into the worker's model; returns the path taken.

@@ -514,6 +514,17 @@ def test_vllm_concurrent_greedy_equals_hf(vllm_engine, vllm_loop, hf, tok):
     assert vllm_engine.num_running() == 0
 
 
+@pytest.mark.vllm
+def test_vllm_engine_core_runs_its_norms_on_the_cpu_kernels(vllm_engine, vllm_loop):
+    """The engine core is a process of its own: rlcore.engines.vllm_worker registered the CPU kernels
+    there (as vLLM imported it) before the worker set the priorities the engine's kernel_config names."""
+    from rlcore.engines.vllm_cpu_norm import PROVIDER
+
+    providers = vllm_loop.run_until_complete(vllm_engine.llm.collective_rpc("norm_providers"))[0]
+    assert providers["rms_norm"][0] == PROVIDER and providers["fused_add_rms_norm"][0] == PROVIDER
+    assert providers["rms_norm"][-1] == "native"  # what the kernels cannot take
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_streams_the_tokens_then_the_same_completion_and_a_closed_stream_is_aborted(vllm_engine, vllm_loop,
