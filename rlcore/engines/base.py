@@ -94,7 +94,8 @@ class RolloutConfig:
         SamplingSettings.from_config(self)  # validates the sampling keys
 
     def vllm_overrides(self) -> dict:
-        """The vLLM engine arguments this section sets only when given (null: vLLM's own default)."""
+        """The vLLM engine arguments this section sets only when given (null: vLLM's own default, but for
+        ``block_size`` on CPU: ``rlcore.engines.kv_cache_size.vllm_overrides``)."""
         keys = ("kv_cache_memory_bytes", "max_num_seqs", "block_size")
         return {key: getattr(self, key) for key in keys if getattr(self, key) is not None}
 

@@ -21,9 +21,9 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from rlcore.engines import vllm_cpu_norm
 from rlcore.engines.base import CPU_WEIGHT_LAYOUTS
 from rlcore.engines.host_memory import release_pages
-from rlcore.engines import vllm_cpu_norm
 from rlcore.engines.vllm_checksums import engine_checksums
 
 PLAIN_TOLERANCE = 1.05  # auto: a layer goes plain if that measures at most 5% slower than vLLM's packed kernel
