@@ -26,6 +26,9 @@ class Framework(NamedTuple):  # not a dataclass: agent.path loads this file outs
     segments: int  # per episode, on the tool model: 1 where every request extends the session
     tool_text: str  # the tool's result as the model sees it (the template's rendering of the result message)
     first_prompt: str  # the first request's rendering on the tiny models' template
+    most_segments: int = 1  # per sampled episode, whatever the policy samples: 1 where every request extends the
+    # session; where each request is a segment of its own, the most requests the example agent makes
+
 
     @property
     def path(self) -> str:
@@ -44,7 +47,8 @@ FRAMEWORKS = {
     # tool calls re-sent as text, results as a user "Observation:" message: a segment per step
     "smolagents": Framework("smolagents_agent.py:SmolAgent", 2, "user: <unk>bservation:\n5\nassistant: ",
                             "tools: calc(expression), final_answer(answer)\nsystem: use the tools; answer with "
-                            "final_answer.\nuser: <unk>ew task:\n2+3=\nassistant: "),
+                            "final_answer.\nuser: <unk>ew task:\n2+3=\nassistant: ",
+                            4),  # SmolAgent's max_steps=3 requests, then smolagents' one final-answer request
 }
 
 

@@ -123,7 +123,9 @@ def test_one_recipe_run_trains_on_every_frameworks_episodes(tmp_path, framework_
     assert all(e[0][0] in {f.first_prompt for f in FRAMEWORKS.values()} for e in episodes.values())
     for name, framework in FRAMEWORKS.items():
         assert kinds[name], name
-        assert all(len(segments) <= framework.segments for segments in kinds[name]), name
+        # sampled (and, in flight, by a policy whose version depends on the machine's timing), an episode may leave
+        # the tool model's trained path and take more steps: bounded by what the framework's history allows
+        assert all(len(segments) <= framework.most_segments for segments in kinds[name]), name
         shown = ["".join(prompt + env for prompt, env in segments) for segments in kinds[name]]
         assert any(framework.tool_text in text for text in shown), name  # the tool's result came back
     steps = [r for r in rows if "actor/pg_loss" in r]
