@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -111,8 +112,20 @@ def test_vllm_greedy_matches_hf_generate(model_dir, monkeypatch):
     pytest.importorskip("vllm")
     from vllm import LLM, SamplingParams
 
+    # An engine an earlier test in this process dropped without closing is shut down by vLLM's finalizer
+    # whenever the collector reaches it, destroying the process's parallel groups, which this engine
+    # reuses (tests/engines/test_vllm_engine_lifetime.py): let that happen now, before this one is built.
+    gc.unfreeze()
+    gc.collect()
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=256,
               kv_cache_memory_bytes=256 << 20, seed=0)
+    try:
+        check_greedy(llm, model_dir, SamplingParams)
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # now, not at a collection during a later test's engine
+
+
+def check_greedy(llm, model_dir, SamplingParams) -> None:
     assert llm.get_tokenizer().decode(llm.get_tokenizer().encode("12 + 3 = 15")) == "12 + 3 = 15"
 
     tok = AutoTokenizer.from_pretrained(model_dir)
