@@ -8,6 +8,7 @@ model trained once, the SmolLM2 conversion), so no set-up is built twice and a m
 
 import os
 import sys
+from collections import Counter
 from pathlib import Path
 
 # Before torch loads (its OpenMP runtime reads this once): threads that finish a parallel region sleep instead of
@@ -56,8 +57,14 @@ def test_group(nodeid: str) -> str:
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: the suite still runs without it, one test at a time
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scheduler by scope, the scope being ``test_group`` (its own ``loadgroup`` marks do not reach
-    the scheduler under pytest 9, whose node ids it can no longer suffix)."""
+    the scheduler under pytest 9, whose node ids it can no longer suffix), handing the groups out in the
+    order ``pytest_collection_modifyitems`` gives them: xdist's own reorder (on unless
+    ``--no-loadscope-reorder``) sorts them by their number of tests, which left the one-test groups (a
+    benchmark's quick run, half a minute each) for last and the heavy few-test files (a Ray + vLLM stop
+    test, the worker-group lifetime check) in the middle of the light ones."""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -67,10 +74,12 @@ def pytest_xdist_make_scheduler(config, log):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Groups with end-to-end tests (marked slow or vllm) first, so that the last ones handed out are
-    short and the workers finish together (the scheduler hands groups out in this order)."""
-    heavy = {test_group(item.nodeid) for item in items if item.get_closest_marker("slow") or item.get_closest_marker("vllm")}
-    items.sort(key=lambda item: test_group(item.nodeid) not in heavy)  # stable: each group's order kept
+    """Groups with end-to-end tests (marked slow or vllm) first, those with the most of them first (the
+    longest first, as far as a count tells), so that the last ones handed out are short and the workers
+    finish together (the scheduler hands groups out in this order)."""
+    heavy = Counter(test_group(item.nodeid) for item in items
+                    if item.get_closest_marker("slow") or item.get_closest_marker("vllm"))
+    items.sort(key=lambda item: -heavy[test_group(item.nodeid)])  # stable: each group's order kept
 
 
 @pytest.fixture(scope="session")

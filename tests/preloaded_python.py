@@ -10,7 +10,9 @@ imported comes from the server's environment (the test session's), not the comma
 what is read later (PYTHONPATH, RAY_ADDRESS, a test hook's variable), not, e.g., HF_HOME or HF_ENDPOINT.
 
 Used by tests whose point is what a command does, not how an interpreter starts (the benchmarks' quick modes);
-tests of the command line itself (error output, exit codes, a hook in ``sitecustomize``) keep ``subprocess``.
+tests of the command line itself (error output, exit codes, a hook in the command's own ``sitecustomize``) keep
+``subprocess``. A hook in the ``sitecustomize`` of the processes a command starts (Ray's workers, which get the
+command's PYTHONPATH) works here too: those are fresh interpreters (tests/trainer/hooked_runs.py).
 
 Run as a script it is the server: one JSON job a line on stdin, one JSON reply a line on stdout."""
 
@@ -37,6 +39,8 @@ def run_job(job: dict) -> None:
     import traceback
 
     os.setsid()  # a group of its own: a timeout kills what it started too
+    if job.get("pid_file"):  # where a test looks for the command's pid (to signal it)
+        Path(job["pid_file"]).write_text(str(os.getpid()))
     os.chdir(job["cwd"])
     stdin = os.open(os.devnull, os.O_RDONLY)  # not the job pipe
     os.dup2(stdin, 0)
@@ -145,13 +149,15 @@ class PreloadedPython:
         return json.loads(line)
 
     def run(self, module: str | None, *args: str, cwd: Path | str, env: dict | None = None, code: str | None = None,
-            script: Path | str | None = None, timeout: float = 600.0) -> subprocess.CompletedProcess:
-        """``python -m module *args``; with ``module=None``, ``python -c code *args`` or ``python script *args``."""
+            script: Path | str | None = None, timeout: float = 600.0,
+            pid_file: Path | str | None = None) -> subprocess.CompletedProcess:
+        """``python -m module *args``; with ``module=None``, ``python -c code *args`` or ``python script *args``.
+        ``pid_file``: the command's process writes its pid there before anything else."""
         self.count += 1
         out, err = self.workdir / f"{self.count}.out", self.workdir / f"{self.count}.err"
         job = {"module": module, "code": code, "script": str(script) if script else None, "args": list(args),
                "cwd": str(cwd), "env": dict(os.environ if env is None else env), "stdout": str(out), "stderr": str(err),
-               "timeout": timeout}
+               "timeout": timeout, "pid_file": str(pid_file) if pid_file else None}
         module = module or ("-c" if code is not None else str(script))
         self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()

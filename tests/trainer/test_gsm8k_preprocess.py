@@ -56,7 +56,7 @@ def test_module_cli_splits_and_output_loads_as_prompt_dataset(tmp_path):
     out_dir = tmp_path / "out"
     subprocess.run([sys.executable, "-m", "recipes.data.gsm8k", "--input", str(src),
                     "--output_dir", str(out_dir), "--test_size", "0.3"],
-                   check=True, cwd=REPO, capture_output=True)
+                   check=True, cwd=REPO, capture_output=True, timeout=120)
     train = pq.read_table(out_dir / "train.parquet").to_pylist()
     test = pq.read_table(out_dir / "test.parquet").to_pylist()
     assert (len(train), len(test)) == (2, 1)  # round(3 * 0.3) = 1 held out

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hooked_runs import REPO, run_hooked
+from hooked_runs import run_hooked
 from hydra import compose, initialize_config_dir
 
 import recipes.grpo
@@ -128,18 +128,12 @@ VLLM_RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1", "rollout.backend=v
 HOOK_DIR = Path(__file__).with_name("stop_hook")  # its sitecustomize.py signals from inside vLLM's engine loop
 
 
-def run_grpo(tmp_path: Path, out: Path, model: str, *args: str,
+def run_grpo(preloaded_python, tmp_path: Path, out: Path, model: str, *args: str,
              stop_at: str | None = None) -> subprocess.CompletedProcess:
-    return run_hooked("grpo", HOOK_DIR, "RLCORE_TEST_STOP_AT", tmp_path, [*overrides(model, out), *VLLM_RAY, *args], stop_at)
-
-
-def run_unhooked(preloaded_python, out: Path, model: str, *args: str) -> subprocess.CompletedProcess:
-    """The same command without the hook, in a child of the preloaded interpreter (tests/preloaded_python.py):
-    the runs that are not signalled need no ``sitecustomize``, only a process of their own."""
-    env = {k: v for k, v in os.environ.items() if k != "RLCORE_TEST_STOP_AT"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    return preloaded_python.run("recipes.grpo", *overrides(model, out), *VLLM_RAY, *args, cwd=REPO, env=env,
-                                timeout=500)
+    """The Ray + vLLM run, its driver a child of the preloaded interpreter (tests/preloaded_python.py), with
+    the hook (armed by ``stop_at``) in its Ray workers."""
+    return run_hooked(preloaded_python, "grpo", HOOK_DIR, "RLCORE_TEST_STOP_AT", tmp_path,
+                      [*overrides(model, out), *VLLM_RAY, *args], stop_at)
 
 
 @pytest.mark.vllm
@@ -147,11 +141,14 @@ def run_unhooked(preloaded_python, out: Path, model: str, *args: str) -> subproc
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143)])
 def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_step_before(tmp_path, tiny_model, sig,
                                                                                           code, preloaded_python):
+    """Two steps (the in-process tests above stop at step 3 of 4): step 2's generation is abandoned after a
+    step that trained and synced the engine's weights, and the resumed run's step 2 starts from the checkpoint
+    of step 1."""
     pytest.importorskip("vllm")
-    whole = run_unhooked(preloaded_python, tmp_path / "whole", tiny_model, "trainer.total_steps=3")
+    whole = run_grpo(preloaded_python, tmp_path, tmp_path / "whole", tiny_model, "trainer.total_steps=2")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    stopped = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3",
-                       stop_at=f"{int(sig)},3,2")  # step 3's generate, at its second engine step
+    stopped = run_grpo(preloaded_python, tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=2",
+                       stop_at=f"{int(sig)},2,2")  # step 2's generate, at its second engine step
     assert stopped.returncode == code, stopped.stderr[-3000:]
     hook = json.loads((tmp_path / "driver.pid.json").read_text())
     # the worker's engine stopped inside the engine step that signalled (none after it) and vLLM's
@@ -159,14 +156,16 @@ def test_ray_and_vllm_a_signal_mid_generation_aborts_the_engine_and_saves_the_st
     assert hook["engine_steps"] == 2 and "never_abandoned" not in hook, hook
     assert hook["unfinished_before_abort"] == 8 and hook["unfinished_after_abort"] == 0, hook
     run_dir = tmp_path / "split" / "grpo" / "default"
-    ckpt = run_dir / "checkpoints" / "global_step_2"
-    assert find_latest_checkpoint(ckpt.parent) == (2, ckpt)
-    assert f"stopped by {sig.name} during step 3 (abandoned); checkpoint {ckpt} (step 2)" in stopped.stdout
-    resumed = run_unhooked(preloaded_python, tmp_path / "split", tiny_model, "trainer.total_steps=3", "trainer.resume=auto")
+    ckpt = run_dir / "checkpoints" / "global_step_1"
+    assert find_latest_checkpoint(ckpt.parent) == (1, ckpt)
+    assert not (ckpt.parent / "global_step_2").exists()
+    assert f"stopped by {sig.name} during step 2 (abandoned); checkpoint {ckpt} (step 1)" in stopped.stdout
+    resumed = run_grpo(preloaded_python, tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=2",
+                       "trainer.resume=auto")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     expected = comparable(tmp_path / "whole" / "grpo" / "default" / "metrics.jsonl")
     got = comparable(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in got] == [1, 2, 3]
+    assert [r["step"] for r in got] == [1, 2]
     for want, have in zip(expected, got):  # vLLM's CPU kernels: engine log-probs to 1e-6 (as tests/recipes/ does)
         engine_numerics = {k for k in want if k.startswith("check/logprob")}
         assert {k: have.get(k) for k in want if k not in engine_numerics} == {

@@ -1,13 +1,12 @@
 """SIGTERM / SIGINT during a run: the step under way finishes (or, still generating, is abandoned:
 tests/trainer/test_stop_abandon.py), a checkpoint is saved (save_freq 0 too), and the process exits with
 128 + the signal's number. In-process on TrainingRun's bookkeeping, and end to end
-on a real GRPO run in a subprocess, resumed from what it left."""
+on a real GRPO run in a process of its own, resumed from what it left."""
 
 import json
 import os
 import signal
-import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
@@ -94,22 +93,41 @@ def logged_steps(path: Path) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_sigterm_stops_a_real_grpo_run_with_a_usable_checkpoint(tmp_path):
+def test_sigterm_stops_a_real_grpo_run_with_a_usable_checkpoint(tmp_path, preloaded_python):
+    """``python -m recipes.grpo`` in a process of its own (a child of the preloaded interpreter,
+    tests/preloaded_python.py: its own signal handlers and exit status), sent SIGTERM once step 2 is logged."""
     model = build_tiny_model(tmp_path / "model", hidden_size=64, num_heads=2, num_kv_heads=1)
     common = [f"model.path={model}", f"trainer.output_dir={tmp_path}", "trainer.loggers=[jsonl]",
               "trainer.backend=local", "trainer.val_freq=0", "trainer.save_freq=0", "data.train_batch_size=4",
               "data.arithmetic.n_train=16", "data.arithmetic.n_val=4", "actor.ppo_micro_batch_size_per_gpu=8",
               "rollout.n=2", "rollout.max_new_tokens=4"]
-    proc = subprocess.Popen([sys.executable, "-m", "recipes.grpo", *common, "trainer.total_steps=10000"], cwd=REPO,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file, done = tmp_path / "driver.pid", {}
+
+    def run() -> None:
+        try:
+            done["proc"] = preloaded_python.run("recipes.grpo", *common, "trainer.total_steps=10000", cwd=REPO,
+                                                pid_file=pid_file, timeout=700)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test below
+            done["error"] = exc
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
     metrics = tmp_path / "grpo" / "default" / "metrics.jsonl"
     deadline = time.monotonic() + 400  # a bound on a hang, not a timing the test relies on
-    while max(logged_steps(metrics), default=0) < 2:
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, "step 2 never logged"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
+    try:
+        while max(logged_steps(metrics), default=0) < 2:
+            assert runner.is_alive(), done
+            assert time.monotonic() < deadline, "step 2 never logged"
+            time.sleep(0.2)
+        os.kill(int(pid_file.read_text()), signal.SIGTERM)
+        runner.join(timeout=300)
+    finally:
+        if runner.is_alive() and pid_file.exists():  # the run never ended: end it, so the preloaded interpreter serves the next test
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+            runner.join(timeout=120)
+    assert "proc" in done, done
+    proc = done["proc"]
+    out, err = proc.stdout, proc.stderr
     assert proc.returncode == 143, err[-3000:]
     last = max(logged_steps(metrics))
     assert last >= 2

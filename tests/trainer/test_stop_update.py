@@ -144,15 +144,15 @@ HOOK_DIR = Path(__file__).with_name("update_stop_hook")  # its sitecustomize.py 
 RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1"]
 
 
-def run_grpo(tmp_path: Path, out: Path, model: str, *args: str,
+def run_grpo(preloaded_python, tmp_path: Path, out: Path, model: str, *args: str,
              stop_at: str | None = None) -> subprocess.CompletedProcess:
-    return run_hooked("grpo", HOOK_DIR, "RLCORE_TEST_UPDATE_STOP_AT", tmp_path, [*overrides(model, out), *RAY, *args], stop_at)
+    return run_hooked(preloaded_python, "grpo", HOOK_DIR, "RLCORE_TEST_UPDATE_STOP_AT", tmp_path, [*overrides(model, out), *RAY, *args], stop_at)
 
 
 @pytest.mark.timeout(600)
-def test_ray_a_signal_mid_update_reaches_the_rank_which_gives_the_update_up(tmp_path, tiny_model):
+def test_ray_a_signal_mid_update_reaches_the_rank_which_gives_the_update_up(tmp_path, tiny_model, preloaded_python):
     """One Ray rank (the in-process test above checks the resumed run's metrics: the same worker code)."""
-    stopped = run_grpo(tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3",
+    stopped = run_grpo(preloaded_python, tmp_path, tmp_path / "split", tiny_model, "trainer.total_steps=3",
                        stop_at=f"{int(signal.SIGTERM)},3,2")  # step 3's update, at its second micro-batch of 4
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     # the rank was asked (SIGUSR2) while in micro-batch 2 and left at the boundary after it
