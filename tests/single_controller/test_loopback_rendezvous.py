@@ -116,6 +116,8 @@ deadline = time.monotonic() + 120  # a hang guard: the agents open their ports a
 while not any("Agent" in n for n, _ in listeners()) and time.monotonic() < deadline:
     time.sleep(0.2)
 time.sleep(1)  # their other ports, if any, a moment later (a shorter wait only sees fewer, never fails)
+print(sorted(n for n in map(name, psutil.Process().children(recursive=True)) if n and n.startswith("ray::")
+             and "Agent" not in n))  # Ray's worker processes: the task's own only, none prestarted for nothing
 print(niceness)
 print(listeners())
 ray.shutdown()
@@ -130,7 +132,8 @@ def test_a_local_ray_instance_listens_on_loopback_only(preloaded_python):
            if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_worker_niceness")}
     out = preloaded_python.run(None, code=LOCAL_RAY, cwd=os.getcwd(), timeout=180, env=env)  # a driver of its own
     assert out.returncode == 0, out.stderr[-2000:]
-    niceness, listeners = out.stdout.strip().splitlines()[-2:]
+    workers, niceness, listeners = out.stdout.strip().splitlines()[-3:]
+    assert eval(workers) == ["ray::IDLE"], workers  # the task's worker, idle since; Ray prestarts one a CPU otherwise
     assert int(niceness) == os.nice(0), niceness  # the driver's own (this test's process, unless run niced)
     listeners = eval(listeners)  # [(process name, address)]
     names = {name for name, _ in listeners}
