@@ -122,7 +122,8 @@ def test_sigterm_stops_a_real_grpo_run_with_a_usable_checkpoint(tmp_path, preloa
         os.kill(int(pid_file.read_text()), signal.SIGTERM)
         runner.join(timeout=300)
     finally:
-        if runner.is_alive() and pid_file.exists():  # the run never ended: end it, so the preloaded interpreter serves the next test
+        if runner.is_alive() and pid_file.exists():  # the run never ended: end it (the preloaded interpreter
+            # serves the next test)
             os.killpg(int(pid_file.read_text()), signal.SIGKILL)
             runner.join(timeout=120)
     assert "proc" in done, done

@@ -146,7 +146,8 @@ RAY = ["trainer.backend=ray", "trainer.cpus_per_proc=1"]
 
 def run_grpo(preloaded_python, tmp_path: Path, out: Path, model: str, *args: str,
              stop_at: str | None = None) -> subprocess.CompletedProcess:
-    return run_hooked(preloaded_python, "grpo", HOOK_DIR, "RLCORE_TEST_UPDATE_STOP_AT", tmp_path, [*overrides(model, out), *RAY, *args], stop_at)
+    return run_hooked(preloaded_python, "grpo", HOOK_DIR, "RLCORE_TEST_UPDATE_STOP_AT", tmp_path,
+                      [*overrides(model, out), *RAY, *args], stop_at)
 
 
 @pytest.mark.timeout(600)
